@@ -1,0 +1,466 @@
+"""The math of every position scheme, in pure PyTorch (no Transformers import).
+
+Layout everywhere is ``[batch, heads, seq, head_dim]`` as in
+``torch.nn.functional.scaled_dot_product_attention``. A query at index ``i`` of a
+call that follows ``past_length`` earlier tokens sits at absolute position
+``past_length + i``; key ``j`` sits at absolute position ``j``.
+
+``attention_mask`` follows SDPA: a boolean tensor (True = may attend) or an additive
+float tensor, broadcastable to ``[batch, heads, q_len, k_len]``. In an additive mask,
+``-inf`` and the dtype's most negative finite value (Transformers' convention) both
+mean "masked". A query row with no key left gives zeros, never NaN.
+
+Every function validates its arguments and raises ``ValueError``/``TypeError`` naming
+the argument, what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "t5_relative_position_bucket",
+    "t5_position_bias",
+    "shaw_attention",
+    "transformer_xl_attention",
+    "sinusoidal_embedding",
+    "log_decay_bias",
+    "alibi_slopes",
+    "alibi_bias",
+]
+
+
+# ----------------------------------------------------------------------------------
+# Argument checks
+# ----------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = int(value.item())
+        else:
+            raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_tensor(name: str, x, ndim: int, shape_doc: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims {shape_doc}, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def _check_qkv(q, k, v) -> None:
+    _check_tensor("q", q, 4, "[batch, heads, q_len, head_dim]")
+    _check_tensor("k", k, 4, "[batch, heads, k_len, head_dim]")
+    _check_tensor("v", v, 4, "[batch, heads, k_len, head_dim]")
+    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"q, k and v must share [batch, heads]: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k must have q's head_dim {q.shape[3]}, got k of shape {tuple(k.shape)}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v must have k's length {k.shape[2]}, got v {tuple(v.shape)} and k {tuple(k.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _check_mask(attention_mask, shape: Sequence[int]) -> None:
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
+    if attention_mask.dtype != torch.bool and not attention_mask.is_floating_point():
+        raise TypeError(
+            f"attention_mask must be bool (True = attend) or floating (additive), got dtype {attention_mask.dtype}"
+        )
+    ok = attention_mask.dim() <= 4 and all(
+        m in (1, s) for m, s in zip(reversed(attention_mask.shape), reversed(shape))
+    )
+    if not ok:
+        raise ValueError(
+            f"attention_mask of shape {tuple(attention_mask.shape)} does not broadcast to "
+            f"[batch, heads, q_len, k_len] = {list(shape)}"
+        )
+
+
+# ----------------------------------------------------------------------------------
+# Shared attention core for the schemes whose position term is not an additive bias
+# ----------------------------------------------------------------------------------
+
+
+def _additive_mask(attention_mask: Optional[torch.Tensor], causal: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Fold a bool/additive mask and a bool causal pattern into one float32 mask with -inf."""
+    out = None
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            out = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
+            out = out.masked_fill(~attention_mask, float("-inf"))
+        else:
+            # Transformers' masks use finfo.min, not -inf: treat both as "masked".
+            masked = attention_mask <= torch.finfo(attention_mask.dtype).min
+            out = attention_mask.to(torch.promote_types(attention_mask.dtype, torch.float32))
+            out = out.masked_fill(masked, float("-inf"))
+    if causal is not None:
+        causal_add = torch.zeros(causal.shape, dtype=torch.float32, device=causal.device)
+        causal_add = causal_add.masked_fill(~causal, float("-inf"))
+        out = causal_add if out is None else out + causal_add
+    return out
+
+
+def _masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Softmax over the last dim in at least float32; a row with every key masked gives zeros (and zero grads)."""
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    if mask is not None:
+        scores = scores + mask
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(scores - row_max)
+    # A row with any key left sums to >= 1 (its max gives exp(0) = 1), so the clamp only
+    # touches fully masked rows, turning 0/0 into 0/1.
+    return e / e.sum(dim=-1, keepdim=True).clamp_min(1.0)
+
+
+def _causal_pattern(query_length: int, key_length: int, offset: int, device) -> torch.Tensor:
+    """[Q, K] bool, True where key j <= offset + i (the query's own absolute position)."""
+    i = torch.arange(query_length, device=device)[:, None]
+    j = torch.arange(key_length, device=device)[None, :]
+    return j <= i + offset
+
+
+def _relative_distance(query_length: int, key_length: int, past_length: int, device) -> torch.Tensor:
+    """[Q, K] long: j - (past_length + i), key position minus query position."""
+    i = torch.arange(query_length, device=device)[:, None] + past_length
+    j = torch.arange(key_length, device=device)[None, :]
+    return j - i
+
+
+# ----------------------------------------------------------------------------------
+# T5 bucketed bias (Raffel et al. 2020)
+# ----------------------------------------------------------------------------------
+
+
+def _check_t5_buckets(bidirectional: bool, num_buckets, max_distance) -> None:
+    _check_int("num_buckets", num_buckets, 0)
+    _check_int("max_distance", max_distance, 0)
+    one_side = num_buckets // 2 if bidirectional else num_buckets
+    max_exact = one_side // 2
+    if max_exact < 1:
+        need = 4 if bidirectional else 2
+        raise ValueError(
+            f"num_buckets must be >= {need} when bidirectional={bidirectional} (so that each direction has an "
+            f"exact bucket), got {num_buckets}"
+        )
+    if max_distance <= max_exact:
+        raise ValueError(
+            f"max_distance must be > {max_exact} (the exact-bucket region for num_buckets={num_buckets}, "
+            f"bidirectional={bidirectional}) to leave room for log-spaced buckets, got {max_distance}"
+        )
+
+
+def t5_relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> torch.Tensor:
+    """T5's bucket of ``relative_position = key_pos - query_pos`` (Raffel et al. 2020, sec. 2.1).
+
+    Half of a direction's buckets hold exact distances ``0 .. max_exact-1``; the other half are
+    log-spaced up to ``max_distance``; farther distances share the last bucket. Bit-identical to
+    Transformers' ``T5Attention._relative_position_bucket`` (the same float32 operations in the
+    same order), but raises where upstream would return out-of-range buckets.
+    """
+    if not isinstance(relative_position, torch.Tensor):
+        raise TypeError(f"relative_position must be an integer torch.Tensor, got {type(relative_position).__name__}")
+    if relative_position.is_floating_point() or relative_position.is_complex() or relative_position.dtype == torch.bool:
+        raise TypeError(f"relative_position must be an integer tensor, got dtype {relative_position.dtype}")
+    _check_t5_buckets(bidirectional, num_buckets, max_distance)
+
+    relative_buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    # Keep upstream's exact op order (float32 log, divide by a Python float, scale, truncate):
+    # bucket boundaries are sensitive to rounding.
+    relative_position_if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    relative_position_if_large = torch.min(
+        relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1)
+    )
+    return relative_buckets + torch.where(is_small, relative_position, relative_position_if_large)
+
+
+def t5_position_bias(
+    weight: torch.Tensor,
+    query_length: int,
+    key_length: int,
+    *,
+    bidirectional: bool = True,
+    max_distance: int = 128,
+    past_length: int = 0,
+) -> torch.Tensor:
+    """T5's additive bias ``B[h, i, j] = weight[bucket(j - (past_length + i)), h]`` -> ``[1, H, Q, K]``.
+
+    ``weight`` is the ``[num_buckets, H]`` table (T5's ``nn.Embedding.weight``). Equals upstream
+    ``T5Attention.compute_bias(Q, K, past_seen_tokens=past_length)``. Only the ``Q`` query rows
+    asked for are computed, so a decoding step costs one row per new token.
+    """
+    _check_tensor("weight", weight, 2, "[num_buckets, heads]")
+    query_length = _check_int("query_length", query_length)
+    key_length = _check_int("key_length", key_length)
+    past_length = _check_int("past_length", past_length)
+    relative_position = _relative_distance(query_length, key_length, past_length, weight.device)
+    buckets = t5_relative_position_bucket(
+        relative_position, bidirectional=bidirectional, num_buckets=weight.shape[0], max_distance=max_distance
+    )
+    return F.embedding(buckets, weight).permute(2, 0, 1).unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------------
+# Shaw et al. 2018: relative key and value embeddings
+# ----------------------------------------------------------------------------------
+
+
+def shaw_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rel_k: torch.Tensor,
+    rel_v: Optional[torch.Tensor],
+    *,
+    max_relative_position: int,
+    attention_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    past_length: int = 0,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Self-attention with relative position representations (Shaw et al. 2018, eqs. 3-5).
+
+    With ``r_ij = clamp(j - (past_length + i), -k, k) + k``:
+    ``e_ij = (q_i·k_j + q_i·rel_k[r_ij]) / sqrt(D)``, ``a = softmax_j(e + mask)``,
+    ``z_i = Σ_j a_ij (v_j + rel_v[r_ij])``.
+
+    Never forms a ``[.., q, k, D]`` tensor: the key term is ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``)
+    gathered by ``r_ij``; the value term sums ``a`` per clipped distance (``[B, H, Q, 2k+1]``)
+    and multiplies by ``rel_v``.
+    """
+    _check_qkv(q, k, v)
+    max_relative_position = _check_int("max_relative_position", max_relative_position)
+    past_length = _check_int("past_length", past_length)
+    dropout_p = _check_dropout(dropout_p)
+    n_rel = 2 * max_relative_position + 1
+    _check_tensor("rel_k", rel_k, 2, "[2*max_relative_position+1, head_dim]")
+    if tuple(rel_k.shape) != (n_rel, q.shape[-1]):
+        raise ValueError(
+            f"rel_k must have shape [2*max_relative_position+1, head_dim] = [{n_rel}, {q.shape[-1]}], "
+            f"got {tuple(rel_k.shape)}"
+        )
+    if rel_v is not None:
+        _check_tensor("rel_v", rel_v, 2, "[2*max_relative_position+1, head_dim]")
+        if tuple(rel_v.shape) != (n_rel, v.shape[-1]):
+            raise ValueError(
+                f"rel_v must have shape [2*max_relative_position+1, v_head_dim] = [{n_rel}, {v.shape[-1]}], "
+                f"got {tuple(rel_v.shape)}"
+            )
+    B, H, Q, D = q.shape
+    K = k.shape[2]
+    _check_mask(attention_mask, (B, H, Q, K))
+
+    rel_index = _relative_distance(Q, K, past_length, q.device)
+    rel_index = rel_index.clamp(-max_relative_position, max_relative_position) + max_relative_position
+    rel_index = rel_index.expand(B, H, Q, K)
+
+    scores = q @ k.transpose(-1, -2)
+    scores = scores + torch.gather(q @ rel_k.transpose(0, 1).to(q.dtype), -1, rel_index)
+    scores = scores * (1.0 / math.sqrt(D))
+
+    causal = _causal_pattern(Q, K, past_length, q.device) if is_causal else None
+    probs = _masked_softmax(scores, _additive_mask(attention_mask, causal))
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    probs = probs.to(v.dtype)
+
+    out = probs @ v
+    if rel_v is not None:
+        per_distance = torch.zeros(B, H, Q, n_rel, dtype=probs.dtype, device=probs.device)
+        per_distance = per_distance.scatter_add(-1, rel_index, probs)
+        out = out + per_distance @ rel_v.to(v.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------
+# Transformer-XL (Dai et al. 2019)
+# ----------------------------------------------------------------------------------
+
+
+def _rel_shift(x: torch.Tensor, key_length: int) -> torch.Tensor:
+    """Transformer-XL's relative shift: ``out[.., i, j] = x[.., i, j + Q - 1 - i]`` -> ``[.., Q, K]``.
+
+    ``x[.., i, t]`` holds distance ``d = K-1-t``; the query at ``M+i`` needs ``d = M+i-j``, i.e.
+    ``t = j + Q-1-i``. The original code pads a zero column and reshapes; reading the same flat
+    buffer through a strided view (row stride ``R-1``, offset ``Q-1``) is the identical indexing
+    without the copy. Entries for ``t >= R`` are read from the next row and must be masked
+    (causal use with ``R = K``).
+    """
+    x = x.contiguous()
+    Q, R = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    lead_strides = x.stride()[:-2]
+    return x.as_strided((*lead, Q, key_length), (*lead_strides, R - 1, 1), x.storage_offset() + Q - 1)
+
+
+def transformer_xl_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    r: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    attention_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Transformer-XL relative attention (Dai et al. 2019, eq. in sec. 3.3).
+
+    ``e_ij = ((q_i + u)·k_j + (q_i + w)·r[d = (M+i) - j]) / sqrt(D)`` where the ``K`` keys are
+    ``M = K - Q`` memory positions followed by the ``Q`` current ones. ``r`` is ``[H, R, D]``
+    (projected relative embeddings ``W_{k,R} R_d``, distances descending from ``K-1``); ``u`` and
+    ``w`` (the paper's ``v``) are ``[H, D]``. Terms (a)+(c) are one matmul with ``q + u``, terms
+    (b)+(d) one matmul with ``q + w`` followed by the relative shift: O(Q·K) work and memory.
+    """
+    _check_qkv(q, k, v)
+    dropout_p = _check_dropout(dropout_p)
+    B, H, Q, D = q.shape
+    K = k.shape[2]
+    if K < Q:
+        raise ValueError(f"k must have at least as many positions as q (memory + current), got K={K} < Q={Q}")
+    _check_tensor("r", r, 3, "[heads, R, head_dim]")
+    if r.shape[0] != H or r.shape[2] != D:
+        raise ValueError(f"r must have shape [heads={H}, R, head_dim={D}], got {tuple(r.shape)}")
+    R = r.shape[1]
+    need = K if is_causal else K + Q - 1
+    if R < need:
+        what = "K (distances K-1 .. 0)" if is_causal else "K + Q - 1 (distances K-1 .. -(Q-1), is_causal=False)"
+        raise ValueError(f"r must cover R >= {what} = {need} relative positions, got R={R}")
+    for name, bias in (("u", u), ("w", w)):
+        _check_tensor(name, bias, 2, "[heads, head_dim]")
+        if tuple(bias.shape) != (H, D):
+            raise ValueError(f"{name} must have shape [heads, head_dim] = [{H}, {D}], got {tuple(bias.shape)}")
+    _check_mask(attention_mask, (B, H, Q, K))
+
+    M = K - Q
+    content = (q + u[:, None, :].to(q.dtype)) @ k.transpose(-1, -2)  # terms (a) + (c)
+    position = (q + w[:, None, :].to(q.dtype)) @ r.to(q.dtype).transpose(-1, -2)  # terms (b) + (d), [B,H,Q,R]
+    scores = (content + _rel_shift(position, K)) * (1.0 / math.sqrt(D))
+
+    causal = _causal_pattern(Q, K, M, q.device) if is_causal else None
+    probs = _masked_softmax(scores, _additive_mask(attention_mask, causal))
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    return probs.to(v.dtype) @ v
+
+
+def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
+    """Transformer-XL's ``R`` (Vaswani et al. 2017 frequencies): ``[sin(p·f_k), cos(p·f_k)]``.
+
+    ``f_k = 10000^(-2k/dim)`` for ``k = 0 .. dim/2-1``; the sin half first, then the cos half,
+    as in the original code. Returns ``[len(positions), dim]`` in ``positions``' float dtype
+    (float32 for integer positions).
+    """
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a 1-D torch.Tensor, got {type(positions).__name__}")
+    if positions.dim() != 1:
+        raise ValueError(f"positions must be 1-D [len], got shape {tuple(positions.shape)}")
+    dim = _check_int("dim", dim, 2)
+    if dim % 2:
+        raise ValueError(f"dim must be even (a sin half and a cos half), got {dim}")
+    dtype = positions.dtype if positions.is_floating_point() else torch.float32
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=positions.device, dtype=compute) / dim))
+    angles = positions.to(compute)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).to(dtype)
+
+
+# ----------------------------------------------------------------------------------
+# Fixed biases: log-decay and ALiBi (Press et al. 2022)
+# ----------------------------------------------------------------------------------
+
+
+def log_decay_bias(
+    query_length: int,
+    key_length: int,
+    *,
+    scale: float,
+    past_length: int = 0,
+    device: Optional[torch.device] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """The parameter-free bias ``B_ij = -scale · ln(1 + |j - (past_length + i)|)`` -> ``[Q, K]``."""
+    query_length = _check_int("query_length", query_length)
+    key_length = _check_int("key_length", key_length)
+    past_length = _check_int("past_length", past_length)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"scale must be a finite number >= 0, got {scale!r}")
+    distance = _relative_distance(query_length, key_length, past_length, device).abs()
+    dtype = dtype or torch.get_default_dtype()
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    # "+ 0.0" turns the -0.0 on the diagonal into 0.0.
+    return (-float(scale) * torch.log1p(distance.to(compute)) + 0.0).to(dtype)
+
+
+def alibi_slopes(
+    num_heads: int, *, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """ALiBi head slopes (Press et al. 2022, sec. 3): a geometric sequence from ``2^(-8/n)``.
+
+    For ``n`` a power of two, ``m_h = 2^(-8h/n)``, ``h = 1 .. n``. Otherwise take the slopes of
+    the largest power of two ``c < n`` and append every other slope of the ``2c`` sequence.
+    """
+    num_heads = _check_int("num_heads", num_heads, 1)
+
+    def power_of_two(n: int) -> list:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (h + 1) for h in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two(closest)
+    if closest != num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, device=device, dtype=dtype or torch.get_default_dtype())
+
+
+def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0) -> torch.Tensor:
+    """ALiBi's bias ``B[h, i, j] = -m_h · |j - (past_length + i)|`` -> ``[1, H, Q, K]``."""
+    _check_tensor("slopes", slopes, 1, "[heads]")
+    query_length = _check_int("query_length", query_length)
+    key_length = _check_int("key_length", key_length)
+    past_length = _check_int("past_length", past_length)
+    distance = _relative_distance(query_length, key_length, past_length, slopes.device).abs()
+    compute = torch.float64 if slopes.dtype == torch.float64 else torch.float32
+    bias = -slopes.to(compute)[:, None, None] * distance.to(compute) + 0.0
+    return bias.to(slopes.dtype).unsqueeze(0)
