@@ -1,6 +1,39 @@
-"""hf_relpos: relative-position attention schemes as Hugging Face Transformers models."""
+"""hf_relpos: relative-position attention schemes as Hugging Face Transformers models.
+
+``import hf_relpos`` registers ``RelPosConfig`` and the three model classes with the Auto classes.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+)
 
 from . import functional
+from .configuration_relpos import POSITION_ENCODINGS, RelPosConfig
+from .modeling_relpos import (
+    POSITION_SCHEMES,
+    RelPosForCausalLM,
+    RelPosForSequenceClassification,
+    RelPosModel,
+    RelPosPreTrainedModel,
+)
 
 __version__ = "0.1.0"
-__all__ = ["functional"]
+
+AutoConfig.register("relpos", RelPosConfig, exist_ok=True)
+AutoModel.register(RelPosConfig, RelPosModel, exist_ok=True)
+AutoModelForCausalLM.register(RelPosConfig, RelPosForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(RelPosConfig, RelPosForSequenceClassification, exist_ok=True)
+
+__all__ = [
+    "functional",
+    "RelPosConfig",
+    "RelPosModel",
+    "RelPosForCausalLM",
+    "RelPosForSequenceClassification",
+    "RelPosPreTrainedModel",
+    "POSITION_ENCODINGS",
+    "POSITION_SCHEMES",
+]

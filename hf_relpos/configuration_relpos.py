@@ -1,0 +1,183 @@
+"""RelPosConfig: one configuration for every position scheme of hf_relpos."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PreTrainedConfig
+
+POSITION_ENCODINGS = ("t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "rope", "sinusoidal", "learned")
+HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu")
+
+
+class RelPosConfig(PreTrainedConfig):
+    r"""Configuration of a pre-norm Transformer whose attention uses one of hf_relpos' position schemes.
+
+    ``position_encoding`` picks the scheme:
+
+    - ``"t5_bias"``: T5's learned scalar per log-spaced distance bucket and head, one table shared by all
+      layers (``relative_attention_num_buckets``, ``relative_attention_max_distance``).
+    - ``"shaw"``: Shaw et al. 2018's relative key (and, with ``shaw_value_embeddings``, value) embeddings
+      for distances clipped to ``[-max_relative_position, max_relative_position]``.
+    - ``"transformer_xl"``: Dai et al. 2019's relative attention with sinusoidal ``R``, per-layer ``u``, ``v``,
+      ``W_{k,R}`` and segment-level memory (``mem_len``, ``clamp_len``).
+    - ``"log_decay"``: the fixed bias ``-log_decay_scale * ln(1 + |i - j|)``.
+    - ``"alibi"``: Press et al. 2022's fixed linear biases.
+    - baselines: ``"rope"`` (rotary, ``rope_theta``), ``"sinusoidal"`` and ``"learned"`` absolute positions
+      (up to ``max_position_embeddings``).
+
+    ``is_decoder=True`` (the default) makes attention causal; ``False`` makes it bidirectional.
+
+    Example:
+
+    ```python
+    >>> from hf_relpos import RelPosConfig, RelPosForCausalLM
+    >>> config = RelPosConfig(position_encoding="shaw", max_relative_position=8, hidden_size=64,
+    ...                       num_attention_heads=4, intermediate_size=128, num_hidden_layers=2)
+    >>> model = RelPosForCausalLM(config)
+    ```
+    """
+
+    model_type = "relpos"
+    keys_to_ignore_at_inference = ["past_key_values", "mems"]
+
+    vocab_size: int = 384
+    hidden_size: int = 256
+    intermediate_size: int = 1024
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 2048
+    position_encoding: str = "t5_bias"
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    max_relative_position: int = 16
+    shaw_value_embeddings: bool = True
+    mem_len: int = 0
+    clamp_len: int = -1
+    log_decay_scale: float = 1.0
+    rope_theta: float = 10000.0
+    is_decoder: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    attention_bias: bool = False
+    use_cache: bool = True
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = 1
+
+    def __post_init__(self, **kwargs):
+        self._validate_fields()
+        super().__post_init__(**kwargs)
+
+    # Validation runs at construction (and again on save) so that a bad value fails where it is written,
+    # not at the first forward.
+    def _validate_fields(self) -> None:
+        def positive_int(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RelPosConfig.{name} must be a positive int, got {value!r}")
+
+        def int_at_least(name, minimum, allowed):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"RelPosConfig.{name} must be {allowed}, got {value!r}")
+
+        def probability(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"RelPosConfig.{name} must be a float in [0, 1), got {value!r}")
+
+        def positive_float(name):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"RelPosConfig.{name} must be a finite float > 0, got {value!r}")
+
+        def boolean(name):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"RelPosConfig.{name} must be True or False, got {value!r}")
+
+        if self.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(
+                f"RelPosConfig.position_encoding must be one of {list(POSITION_ENCODINGS)}, "
+                f"got {self.position_encoding!r}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings"):
+            positive_int(name)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"RelPosConfig.hidden_size must be divisible by num_attention_heads={self.num_attention_heads}, "
+                f"got {self.hidden_size}"
+            )
+        head_dim = self.hidden_size // self.num_attention_heads
+        if self.position_encoding == "rope" and head_dim % 2:
+            raise ValueError(
+                f"RelPosConfig.hidden_size / num_attention_heads must be even for rope (rotated pairs), got {head_dim}"
+            )
+        if self.position_encoding in ("sinusoidal", "transformer_xl") and self.hidden_size % 2:
+            raise ValueError(
+                f"RelPosConfig.hidden_size must be even for {self.position_encoding} (sin and cos halves), "
+                f"got {self.hidden_size}"
+            )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"RelPosConfig.hidden_act must be one of {list(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        # T5 buckets: each direction needs one exact bucket and room for log-spaced ones.
+        int_at_least("relative_attention_num_buckets", 2, "an int >= 2")
+        one_side = self.relative_attention_num_buckets // (1 if self.is_decoder else 2)
+        if one_side // 2 < 1:
+            raise ValueError(
+                "RelPosConfig.relative_attention_num_buckets must be >= 4 for a bidirectional model "
+                f"(is_decoder=False), got {self.relative_attention_num_buckets}"
+            )
+        int_at_least(
+            "relative_attention_max_distance", one_side // 2 + 1,
+            f"an int > {one_side // 2} (the exact-bucket region of {self.relative_attention_num_buckets} buckets)",
+        )
+        int_at_least("max_relative_position", 0, "an int >= 0")
+        int_at_least("mem_len", 0, "an int >= 0")
+        if isinstance(self.clamp_len, bool) or not isinstance(self.clamp_len, int) or not (
+            self.clamp_len == -1 or self.clamp_len >= 1
+        ):
+            raise ValueError(f"RelPosConfig.clamp_len must be -1 (no clamping) or an int >= 1, got {self.clamp_len!r}")
+        if self.mem_len > 0 and self.position_encoding != "transformer_xl":
+            raise ValueError(
+                f"RelPosConfig.mem_len must be 0 unless position_encoding='transformer_xl', got mem_len={self.mem_len} "
+                f"with position_encoding={self.position_encoding!r}"
+            )
+        positive_float("log_decay_scale")
+        positive_float("rope_theta")
+        positive_float("rms_norm_eps")
+        positive_float("initializer_range")
+        probability("hidden_dropout")
+        probability("attention_dropout")
+        for name in ("is_decoder", "shaw_value_embeddings", "attention_bias", "use_cache", "tie_word_embeddings"):
+            boolean(name)
+        for name in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size
+            ):
+                raise ValueError(
+                    f"RelPosConfig.{name} must be None or an int in [0, vocab_size={self.vocab_size}), got {value!r}"
+                )
+
+    def validate_architecture(self):
+        """Called by Transformers' strict validation (e.g. on save): re-check every field."""
+        self._validate_fields()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+__all__ = ["RelPosConfig", "POSITION_ENCODINGS"]

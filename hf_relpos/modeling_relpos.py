@@ -1,0 +1,982 @@
+"""hf_relpos models: a pre-norm Transformer whose attention uses one of eight position schemes.
+
+Read top to bottom, in the order data flows: norm and MLP, the eager attention kernel, the
+position schemes (one small class each, behind one seam), attention, decoder layer, the
+pre-trained base, ``RelPosModel`` and the heads.
+
+Positions come from one place: ``RelPosModel.forward`` reads the query offset and the key range
+from the cache (and the Transformer-XL memory) before the first layer, asks the scheme for its
+per-forward term once, and hands both to every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+from .configuration_relpos import RelPosConfig
+from .functional import (
+    alibi_bias,
+    alibi_slopes,
+    log_decay_bias,
+    shaw_attention,
+    sinusoidal_embedding,
+    t5_position_bias,
+    transformer_xl_attention,
+)
+
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+# ----------------------------------------------------------------------------------
+# Outputs
+# ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RelPosModelOutput(ModelOutput):
+    """``BaseModelOutputWithPast`` plus Transformer-XL's ``mems``."""
+
+    last_hidden_state: Optional[torch.FloatTensor] = None
+    past_key_values: Optional[Cache] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
+    mems: Optional[list] = None
+
+
+@dataclass
+class RelPosCausalLMOutput(ModelOutput):
+    """``CausalLMOutputWithPast`` plus Transformer-XL's ``mems``."""
+
+    loss: Optional[torch.FloatTensor] = None
+    logits: Optional[torch.FloatTensor] = None
+    past_key_values: Optional[Cache] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
+    mems: Optional[list] = None
+
+
+@dataclass
+class RelPosSequenceClassifierOutput(ModelOutput):
+    loss: Optional[torch.FloatTensor] = None
+    logits: Optional[torch.FloatTensor] = None
+    hidden_states: Optional[tuple] = None
+    attentions: Optional[tuple] = None
+    mems: Optional[list] = None
+
+
+# ----------------------------------------------------------------------------------
+# Norm, MLP, eager attention
+# ----------------------------------------------------------------------------------
+
+
+class RelPosRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class RelPosMLP(nn.Module):
+    def __init__(self, config: RelPosConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.attention_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.attention_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """Plain attention; scores and softmax in float32 so that a fully masked row stays finite."""
+    scores = torch.matmul(query, key.transpose(2, 3)).float() * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
+        else:
+            scores = scores + attention_mask.float()
+    weights = F.softmax(scores, dim=-1).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+# ----------------------------------------------------------------------------------
+# Position schemes: the seam
+# ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PositionContext:
+    """Where the queries and keys of one forward sit, computed once and shared by all layers.
+
+    Queries sit at absolute positions ``q_offset + i`` (or ``position_ids``); the ``key_length`` keys
+    the layers attend to (memory + cache + current) start at absolute position ``q_offset - past_length``.
+    ``mask`` is a bool ``[B, 1, Q, K]`` (True = may attend) or None when nothing is masked beyond
+    causality, which ``causal`` states.
+    """
+
+    query_length: int
+    key_length: int
+    q_offset: int
+    past_length: int
+    causal: bool
+    mask: Optional[torch.Tensor]
+    position_ids: torch.Tensor
+    attn_implementation: str
+
+    def causal_mask(self, device) -> torch.Tensor:
+        """[1, 1, Q, K] bool: key j is at or before the query's position."""
+        i = torch.arange(self.query_length, device=device)[:, None] + self.past_length
+        j = torch.arange(self.key_length, device=device)[None, :]
+        return (j <= i)[None, None]
+
+    def full_mask(self, device) -> Optional[torch.Tensor]:
+        """The bool mask including causality, or None if every query sees every key."""
+        mask = self.mask
+        if self.causal:
+            causal = self.causal_mask(device)
+            mask = causal if mask is None else mask & causal
+        return mask
+
+
+class PositionScheme(nn.Module):
+    """A position scheme answers four questions; the default answer is "nothing".
+
+    - ``embed``: what it adds to the token embeddings (absolute baselines);
+    - ``forward``: the per-forward term, computed once for the new query rows against all keys and
+      handed to every layer (a bias merged into the mask, RoPE's cos/sin, Transformer-XL's ``R``);
+    - ``rotate``: what it does to queries and keys before the cache (RoPE);
+    - ``attend``: the attention call; the default runs Transformers' attention interface with the
+      term as the mask, so an additive bias rides in SDPA's fused kernel.
+
+    Per-layer parameters (Shaw's embeddings, Transformer-XL's ``W_{k,R}``, ``u``, ``v``) come from
+    ``layer_module`` and live in each attention module as ``relative``.
+    """
+
+    supports_static_cache = True
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+
+    @staticmethod
+    def layer_module(config: RelPosConfig) -> Optional[nn.Module]:
+        return None
+
+    def embed(self, inputs_embeds: torch.Tensor, ctx: PositionContext) -> torch.Tensor:
+        return inputs_embeds
+
+    def forward(self, ctx: PositionContext, device, dtype) -> Any:
+        # With nothing masked beyond causality, SDPA's own is_causal flag keeps the fused kernel; it
+        # aligns the causal pattern top-left, which is right only when queries and keys coincide.
+        if ctx.attn_implementation == "sdpa" and ctx.mask is None:
+            if not ctx.causal or ctx.query_length in (1, ctx.key_length):
+                return None
+        return ctx.full_mask(device)
+
+    def rotate(self, query, key, term, ctx):
+        return query, key
+
+    def attend(self, attn: "RelPosAttention", query, key, value, term, ctx: PositionContext) -> torch.Tensor:
+        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+        mask = term if isinstance(term, torch.Tensor) else None
+        out, _ = interface(
+            attn,
+            query,
+            key,
+            value,
+            mask,
+            dropout=attn.attention_dropout if attn.training else 0.0,
+            scaling=attn.scaling,
+            is_causal=ctx.causal and mask is None,
+        )
+        return out
+
+
+class AdditiveBiasScheme(PositionScheme):
+    """A scheme whose whole position term is an additive ``[1, H, Q, K]`` bias.
+
+    The bias is computed once per forward and merged with the mask into one float tensor
+    (masked entries at the dtype's minimum) that every layer passes to the kernel as its mask.
+    """
+
+    def bias(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
+        bias = self.bias(ctx, device, dtype).to(dtype)
+        mask = ctx.full_mask(device)
+        if mask is None:
+            return bias
+        return torch.where(mask, bias, torch.finfo(dtype).min)
+
+
+class T5BiasScheme(AdditiveBiasScheme):
+    """Raffel et al. 2020: a learned scalar per (distance bucket, head), one table for all layers."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.bidirectional = not config.is_decoder
+        self.max_distance = config.relative_attention_max_distance
+        self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+
+    def bias(self, ctx, device, dtype):
+        return t5_position_bias(
+            self.relative_attention_bias.weight,
+            ctx.query_length,
+            ctx.key_length,
+            bidirectional=self.bidirectional,
+            max_distance=self.max_distance,
+            past_length=ctx.past_length,
+        )
+
+
+class LogDecayScheme(AdditiveBiasScheme):
+    """The fixed bias ``-λ·ln(1 + |i - j|)``, the same for every head."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.scale = config.log_decay_scale
+
+    def bias(self, ctx, device, dtype):
+        bias = log_decay_bias(
+            ctx.query_length, ctx.key_length, scale=self.scale, past_length=ctx.past_length, device=device,
+            dtype=torch.float32,
+        )
+        return bias[None, None]
+
+
+class AlibiScheme(AdditiveBiasScheme):
+    """Press et al. 2022: ``-m_h·|i - j|`` with fixed geometric head slopes."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.slopes = nn.Buffer(alibi_slopes(config.num_attention_heads, dtype=torch.float32), persistent=False)
+
+    def bias(self, ctx, device, dtype):
+        return alibi_bias(self.slopes.to(device), ctx.query_length, ctx.key_length, past_length=ctx.past_length)
+
+
+class RopeScheme(PositionScheme):
+    """Su et al. 2021: rotate query/key pairs by ``position · θ^(-2k/d)`` (the plain-SDPA floor)."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+
+    def forward(self, ctx, device, dtype):
+        freqs = ctx.position_ids[..., None].float() * self.inv_freq.to(device)[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B|1, Q, D]
+        return super().forward(ctx, device, dtype), emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rotate(self, query, key, term, ctx):
+        _, cos, sin = term
+        cos, sin = cos[:, None], sin[:, None]
+
+        def rotate_half(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((-x2, x1), dim=-1)
+
+        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+    def attend(self, attn, query, key, value, term, ctx):
+        return super().attend(attn, query, key, value, term[0], ctx)
+
+
+class AbsoluteScheme(PositionScheme):
+    """Absolute positions added to the token embeddings, limited to ``max_position_embeddings``."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.max_positions = config.max_position_embeddings
+
+    def table(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embed(self, inputs_embeds, ctx):
+        return inputs_embeds + F.embedding(ctx.position_ids, self.table()).to(inputs_embeds.dtype)
+
+
+class SinusoidalScheme(AbsoluteScheme):
+    """Vaswani et al. 2017's fixed sinusoidal absolute positions."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        self.sinusoid = nn.Buffer(sinusoidal_embedding(positions, config.hidden_size), persistent=False)
+
+    def table(self):
+        return self.sinusoid
+
+
+class LearnedScheme(AbsoluteScheme):
+    """A learned absolute position embedding table (GPT-2 style)."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+
+    def table(self):
+        return self.position_embeddings.weight
+
+
+class ShawRelative(nn.Module):
+    """One layer's relative key (and value) embeddings for distances ``-k .. k`` (shared by heads)."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__()
+        n = 2 * config.max_relative_position + 1
+        self.rel_k = nn.Parameter(torch.zeros(n, config.head_dim))
+        self.rel_v = nn.Parameter(torch.zeros(n, config.head_dim)) if config.shaw_value_embeddings else None
+
+
+class ShawScheme(PositionScheme):
+    """Shaw et al. 2018: learned relative key/value embeddings, distances clipped to ``[-k, k]``."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.max_relative_position = config.max_relative_position
+
+    @staticmethod
+    def layer_module(config):
+        return ShawRelative(config)
+
+    def forward(self, ctx, device, dtype):
+        return None
+
+    def attend(self, attn, query, key, value, term, ctx):
+        out = shaw_attention(
+            query,
+            key,
+            value,
+            attn.relative.rel_k,
+            attn.relative.rel_v,
+            max_relative_position=self.max_relative_position,
+            attention_mask=ctx.mask,
+            is_causal=ctx.causal,
+            past_length=ctx.past_length,
+            dropout_p=attn.attention_dropout if attn.training else 0.0,
+        )
+        return out.transpose(1, 2)
+
+
+class TransformerXLRelative(nn.Module):
+    """One layer's ``W_{k,R}`` (``r_net``) and global biases ``u`` (``r_w_bias``), ``v`` (``r_r_bias``)."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__()
+        self.r_net = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
+        self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
+
+
+class TransformerXLScheme(PositionScheme):
+    """Dai et al. 2019: sinusoidal ``R`` for distances ``K-1 .. 0`` (and negative ones when bidirectional)."""
+
+    supports_static_cache = False  # the relative shift needs the keys to end at the last query
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.hidden_size = config.hidden_size
+        self.clamp_len = config.clamp_len
+
+    @staticmethod
+    def layer_module(config):
+        return TransformerXLRelative(config)
+
+    def forward(self, ctx, device, dtype):
+        length = ctx.key_length if ctx.causal else ctx.key_length + ctx.query_length - 1
+        distances = torch.arange(ctx.key_length - 1, ctx.key_length - 1 - length, -1, device=device)
+        if self.clamp_len > 0:
+            distances = distances.clamp(-self.clamp_len, self.clamp_len)
+        return sinusoidal_embedding(distances, self.hidden_size).to(dtype)
+
+    def attend(self, attn, query, key, value, term, ctx):
+        relative = attn.relative
+        r = relative.r_net(term).view(term.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
+        out = transformer_xl_attention(
+            query,
+            key,
+            value,
+            r,
+            relative.r_w_bias,
+            relative.r_r_bias,
+            attention_mask=ctx.mask,
+            is_causal=ctx.causal,
+            dropout_p=attn.attention_dropout if attn.training else 0.0,
+        )
+        return out.transpose(1, 2)
+
+
+POSITION_SCHEMES: dict[str, type[PositionScheme]] = {
+    "t5_bias": T5BiasScheme,
+    "shaw": ShawScheme,
+    "transformer_xl": TransformerXLScheme,
+    "log_decay": LogDecayScheme,
+    "alibi": AlibiScheme,
+    "rope": RopeScheme,
+    "sinusoidal": SinusoidalScheme,
+    "learned": LearnedScheme,
+}
+
+
+# ----------------------------------------------------------------------------------
+# Attention and decoder layer
+# ----------------------------------------------------------------------------------
+
+
+class RelPosAttention(nn.Module):
+    def __init__(self, config: RelPosConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = config.is_decoder
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.relative = POSITION_SCHEMES[config.position_encoding].layer_module(config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        term: Any,
+        ctx: PositionContext,
+        scheme: PositionScheme,
+        memory: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Cache] = None,
+    ) -> torch.Tensor:
+        batch, length, _ = hidden_states.shape
+        shape = (batch, -1, self.num_heads, self.head_dim)
+        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        # Transformer-XL memory: keys and values also come from the (stop-gradient) previous segment.
+        kv_input = hidden_states if memory is None else torch.cat([memory, hidden_states], dim=1)
+        key = self.k_proj(kv_input).view(shape).transpose(1, 2)
+        value = self.v_proj(kv_input).view(shape).transpose(1, 2)
+        query, key = scheme.rotate(query, key, term, ctx)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        out = scheme.attend(self, query, key, value, term, ctx)
+        return self.o_proj(out.reshape(batch, length, -1))
+
+
+class RelPosDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: RelPosConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = RelPosAttention(config, layer_idx)
+        self.mlp = RelPosMLP(config)
+        self.input_layernorm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        term: Any,
+        ctx: PositionContext = None,
+        scheme: PositionScheme = None,
+        memory: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Cache] = None,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        normed_memory = None if memory is None else self.input_layernorm(memory)
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), term, ctx, scheme, normed_memory, past_key_values
+        )
+        hidden_states = residual + self.dropout(hidden_states)
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + self.dropout(hidden_states)
+
+
+# ----------------------------------------------------------------------------------
+# Pre-trained base
+# ----------------------------------------------------------------------------------
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_relpos.RelPosConfig",
+    "AutoModel": "modeling_relpos.RelPosModel",
+    "AutoModelForCausalLM": "modeling_relpos.RelPosForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_relpos.RelPosForSequenceClassification",
+}
+
+
+class RelPosPreTrainedModel(PreTrainedModel):
+    config_class = RelPosConfig
+    config: RelPosConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["RelPosDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear,)):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RelPosRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, ShawRelative):
+            init.normal_(module.rel_k, mean=0.0, std=std)
+            if module.rel_v is not None:
+                init.normal_(module.rel_v, mean=0.0, std=std)
+        elif isinstance(module, TransformerXLRelative):
+            init.normal_(module.r_w_bias, mean=0.0, std=std)
+            init.normal_(module.r_r_bias, mean=0.0, std=std)
+        elif isinstance(module, AlibiScheme):
+            init.copy_(module.slopes, alibi_slopes(self.config.num_attention_heads, dtype=torch.float32))
+        elif isinstance(module, RopeScheme):
+            dim = self.config.head_dim
+            inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            init.copy_(module.inv_freq, inv)
+        elif isinstance(module, SinusoidalScheme):
+            positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
+            init.copy_(module.sinusoid, sinusoidal_embedding(positions, self.config.hidden_size))
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code)."""
+        self.config.auto_map = dict(AUTO_MAP)
+        if type(self)._auto_class is None:
+            type(self).register_for_auto_class(_AUTO_CLASS_OF.get(type(self).__name__, "AutoModel"))
+        if type(self.config)._auto_class is None:
+            type(self.config).register_for_auto_class()
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
+_AUTO_CLASS_OF = {
+    "RelPosModel": "AutoModel",
+    "RelPosForCausalLM": "AutoModelForCausalLM",
+    "RelPosForSequenceClassification": "AutoModelForSequenceClassification",
+}
+
+
+# ----------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------
+
+
+class RelPosModel(RelPosPreTrainedModel):
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.position = POSITION_SCHEMES[config.position_encoding](config)
+        self.layers = nn.ModuleList(RelPosDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    # -- input checks: every one runs before any state (cache, memory) changes ---------------
+
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values, mems, position_ids):
+        config = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+            if input_ids.numel() and not torch.compiler.is_compiling():
+                low, high = int(input_ids.min()), int(input_ids.max())
+                if low < 0 or high >= config.vocab_size:
+                    bad = low if low < 0 else high
+                    raise ValueError(
+                        f"input_ids must be token ids in [0, vocab_size={config.vocab_size}), got {bad}"
+                    )
+            batch, length = input_ids.shape
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+                raise ValueError(
+                    f"inputs_embeds must be [batch, seq_len, hidden_size={config.hidden_size}], "
+                    f"got shape {tuple(inputs_embeds.shape)}"
+                )
+            batch, length = inputs_embeds.shape[:2]
+
+        past = 0
+        if past_key_values is not None:
+            if not isinstance(past_key_values, Cache):
+                raise ValueError(
+                    f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
+                )
+            if isinstance(past_key_values, StaticCache) and not self.position.supports_static_cache:
+                raise ValueError(
+                    f"past_key_values: StaticCache is not supported by position_encoding="
+                    f"{config.position_encoding!r}; use DynamicCache"
+                )
+            if len(past_key_values.layers) > config.num_hidden_layers:
+                raise ValueError(
+                    f"past_key_values has {len(past_key_values.layers)} layers, this model has num_hidden_layers="
+                    f"{config.num_hidden_layers}: the cache comes from a different configuration"
+                )
+            layer = past_key_values.layers[0] if len(past_key_values.layers) else None
+            keys = getattr(layer, "keys", None)
+            if layer is not None and getattr(layer, "is_initialized", False) and keys is not None and keys.numel():
+                expected = (batch, config.num_attention_heads, config.head_dim)
+                got = (keys.shape[0], keys.shape[1], keys.shape[3])
+                if got != expected:
+                    raise ValueError(
+                        f"past_key_values holds keys of [batch, heads, head_dim] = {list(got)}, expected {list(expected)} "
+                        "for this input and configuration"
+                    )
+            past = past_key_values.get_seq_length()
+
+        mem_length = 0
+        if mems is not None:
+            if config.mem_len == 0 or config.position_encoding != "transformer_xl":
+                raise ValueError(
+                    "mems is only accepted by position_encoding='transformer_xl' with mem_len > 0, got "
+                    f"position_encoding={config.position_encoding!r}, mem_len={config.mem_len}"
+                )
+            if past_key_values is not None and past:
+                raise ValueError("mems and past_key_values cannot be combined: use one kind of memory")
+            if not isinstance(mems, (list, tuple)) or len(mems) != config.num_hidden_layers:
+                got = len(mems) if isinstance(mems, (list, tuple)) else type(mems).__name__
+                raise ValueError(f"mems must be a list of num_hidden_layers={config.num_hidden_layers} tensors, got {got}")
+            mem_length = mems[0].shape[1] if mems[0].dim() == 3 else -1
+            for layer_idx, mem in enumerate(mems):
+                if (
+                    not isinstance(mem, torch.Tensor)
+                    or mem.dim() != 3
+                    or mem.shape[0] != batch
+                    or mem.shape[1] != mem_length
+                    or mem.shape[2] != config.hidden_size
+                    or mem_length > config.mem_len
+                ):
+                    got = tuple(mem.shape) if isinstance(mem, torch.Tensor) else type(mem).__name__
+                    raise ValueError(
+                        f"mems[{layer_idx}] must be [batch={batch}, mem <= mem_len={config.mem_len}, "
+                        f"hidden_size={config.hidden_size}] (all layers the same length), got {got}"
+                    )
+
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (
+                length + past,
+                length + past + mem_length,
+            ):
+                allowed = f"[batch={batch}, {past + length}]"
+                if mem_length:
+                    allowed += f" or [batch={batch}, {mem_length + length}] (memory included)"
+                raise ValueError(
+                    f"attention_mask must be {allowed} (past + current tokens), got shape {tuple(attention_mask.shape)}"
+                )
+
+        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != length):
+            raise ValueError(f"position_ids must be [batch, seq_len={length}], got shape {tuple(position_ids.shape)}")
+        return batch, length, past, mem_length
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        use_cache: Optional[bool] = None,
+        mems: Optional[list] = None,
+        output_hidden_states: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> RelPosModelOutput:
+        config = self.config
+        impl = config._attn_implementation or "eager"
+        if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attn_implementation must be one of {list(SUPPORTED_ATTN_IMPLEMENTATIONS)} for hf_relpos, got {impl!r}"
+            )
+        use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        batch, length, past, mem_length = self._check_inputs(
+            input_ids, inputs_embeds, attention_mask, past_key_values, mems, position_ids
+        )
+        if mems is not None and config.mem_len and use_cache and past_key_values is None:
+            use_cache = False  # Transformer-XL memory replaces the cache within a forward with mems
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=config)
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        device = inputs_embeds.device
+
+        # Where the queries and keys sit, read once from the cache before any layer updates it.
+        if past_key_values is not None:
+            q_offset = past_key_values.get_query_offset(0)
+            kv_length, kv_offset = past_key_values.get_mask_sizes(length, 0)
+        else:
+            q_offset, kv_length, kv_offset = 0, length, 0
+        if position_ids is None:
+            position_ids = (torch.arange(length, device=device) + q_offset)[None]
+        if isinstance(self.position, AbsoluteScheme) and length and not torch.compiler.is_compiling():
+            last = int(position_ids.max())
+            if last >= config.max_position_embeddings or int(position_ids.min()) < 0:
+                raise ValueError(
+                    f"position {last} is past max_position_embeddings={config.max_position_embeddings} of the "
+                    f"{config.position_encoding!r} position table: inputs (with cache) may hold at most "
+                    f"{config.max_position_embeddings} tokens"
+                )
+
+        mask = self._bool_mask(inputs_embeds, attention_mask, past_key_values, position_ids, mem_length)
+        ctx = PositionContext(
+            query_length=length,
+            key_length=mem_length + kv_length,
+            q_offset=q_offset,
+            past_length=mem_length + q_offset - kv_offset,
+            causal=config.is_decoder,
+            mask=mask,
+            position_ids=position_ids,
+            attn_implementation=impl,
+        )
+
+        hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
+        term = self.position(ctx, device, hidden_states.dtype)
+
+        all_hidden_states = () if output_hidden_states else None
+        new_mems = [] if config.mem_len > 0 else None
+        for layer_idx, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            memory = mems[layer_idx] if mems is not None else None
+            if new_mems is not None:
+                new_mems.append(self._update_memory(memory, hidden_states))
+            hidden_states = layer(
+                hidden_states, term, ctx=ctx, scheme=self.position, memory=memory, past_key_values=past_key_values
+            )
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return RelPosModelOutput(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=all_hidden_states,
+            mems=new_mems,
+        )
+
+    def _update_memory(self, memory: Optional[torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+        """Dai et al.'s memory: the last ``mem_len`` inputs of this layer, cut from the graph."""
+        with torch.no_grad():
+            states = hidden_states if memory is None else torch.cat([memory, hidden_states], dim=1)
+            return states[:, -self.config.mem_len :].detach()
+
+    def _bool_mask(self, inputs_embeds, attention_mask, past_key_values, position_ids, mem_length):
+        """Transformers' mask (cache- and padding-aware) as bool ``[B, 1, Q, K]``, or None if nothing is masked.
+
+        Causality is kept separately (``PositionContext.causal``) so that the fused causal kernel stays
+        available; memory keys are always visible.
+        """
+        length = inputs_embeds.shape[1]
+        memory_mask = None
+        if attention_mask is not None and mem_length and attention_mask.shape[1] == mem_length + length:
+            memory_mask, attention_mask = attention_mask[:, :mem_length].bool(), attention_mask[:, mem_length:]
+        if attention_mask is None or bool(attention_mask.all()):
+            mask = None
+        else:
+            make = create_causal_mask if self.config.is_decoder else create_bidirectional_mask
+            kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                          past_key_values=past_key_values)
+            if self.config.is_decoder:
+                kwargs["position_ids"] = position_ids
+            mask = make(**kwargs)
+            if mask is not None and mask.dtype != torch.bool:
+                mask = mask > torch.finfo(mask.dtype).min / 2
+        if mem_length and (mask is not None or memory_mask is not None):
+            batch = inputs_embeds.shape[0]
+            if mask is None:
+                mask = torch.ones(batch, 1, length, length, dtype=torch.bool, device=inputs_embeds.device)
+            if memory_mask is None:
+                memory_mask = torch.ones(batch, mem_length, dtype=torch.bool, device=mask.device)
+            memory_mask = memory_mask[:, None, None, :].expand(mask.shape[0], 1, length, mem_length)
+            mask = torch.cat([memory_mask, mask], dim=-1)
+        return mask
+
+
+# ----------------------------------------------------------------------------------
+# Heads
+# ----------------------------------------------------------------------------------
+
+
+class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: RelPosConfig):
+        if not config.is_decoder:
+            raise ValueError(
+                "RelPosForCausalLM needs config.is_decoder=True (causal attention), got is_decoder=False"
+            )
+        super().__init__(config)
+        self.model = RelPosModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        mems: Optional[list] = None,
+        output_hidden_states: Optional[bool] = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> RelPosCausalLMOutput:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            mems=mems,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise ValueError(f"labels must be [batch, seq_len] = {list(logits.shape[:2])}, got {tuple(labels.shape)}")
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                num_items_in_batch=kwargs.get("num_items_in_batch"),
+            )
+            if not torch.isfinite(loss):  # every label ignored: no signal, not NaN
+                loss = logits.sum() * 0.0
+        return RelPosCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            mems=outputs.mems,
+        )
+
+
+class RelPosForSequenceClassification(RelPosPreTrainedModel):
+    """Pools the last non-padding token (causal models) or the mean of non-padding tokens (bidirectional)."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = RelPosModel(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        mems: Optional[list] = None,
+        output_hidden_states: Optional[bool] = None,
+        **kwargs,
+    ) -> RelPosSequenceClassifierOutput:
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            mems=mems,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden = outputs.last_hidden_state
+        batch, length = hidden.shape[:2]
+        if attention_mask is not None:
+            keep = attention_mask[:, -length:].to(hidden.dtype)
+        elif input_ids is not None and self.config.pad_token_id is not None:
+            keep = (input_ids != self.config.pad_token_id).to(hidden.dtype)
+        else:
+            keep = torch.ones(batch, length, dtype=hidden.dtype, device=hidden.device)
+        if self.config.is_decoder:
+            # The last kept token sees the whole sequence; works for left and right padding.
+            index = (keep * torch.arange(1, length + 1, device=hidden.device, dtype=hidden.dtype)).argmax(-1)
+            pooled = hidden[torch.arange(batch, device=hidden.device), index]
+        else:
+            pooled = (hidden * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp_min(1.0)
+        logits = self.score(pooled)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
+        return RelPosSequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, mems=outputs.mems
+        )
+
+
+__all__ = [
+    "RelPosPreTrainedModel",
+    "RelPosModel",
+    "RelPosForCausalLM",
+    "RelPosForSequenceClassification",
+    "POSITION_SCHEMES",
+]
