@@ -176,6 +176,18 @@ class RelPosConfig(PreTrainedConfig):
         self._validate_fields()
 
     @property
+    def sliding_window(self) -> int | None:
+        """Transformer-XL with memory decodes with a sliding memory of ``mem_len`` past positions.
+
+        Transformers' ``DynamicCache(config=...)`` reads this to keep ``mem_len`` keys per layer (the window
+        counts the query itself, hence ``+ 1``); the model applies the same window to uncached forwards
+        without ``mems``.
+        """
+        if self.position_encoding == "transformer_xl" and self.mem_len > 0:
+            return self.mem_len + 1
+        return None
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 

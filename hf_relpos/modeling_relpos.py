@@ -770,6 +770,13 @@ class RelPosModel(RelPosPreTrainedModel):
                 )
 
         mask = self._bool_mask(inputs_embeds, attention_mask, past_key_values, position_ids, mem_length)
+        if config.sliding_window is not None and mems is None:
+            # Without explicit mems, Transformer-XL keeps a sliding memory of mem_len past positions, so that
+            # cached decoding (a sliding cache) and uncached forwards see the same keys.
+            i = torch.arange(length, device=device)[:, None] + (q_offset - kv_offset)
+            j = torch.arange(kv_length, device=device)[None, :]
+            window = (i - j < config.sliding_window)[None, None]
+            mask = window if mask is None else mask & window
         ctx = PositionContext(
             query_length=length,
             key_length=mem_length + kv_length,
@@ -912,6 +919,15 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             mems=outputs.mems,
         )
+
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        # Transformers' generate still reads an output named `mems` as the cache (XLNet's legacy); our
+        # decoding memory is the (sliding) KV cache, so never feed mems back as past_key_values.
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        if isinstance(model_kwargs.get("past_key_values"), list):
+            model_kwargs["past_key_values"] = None
+        return model_kwargs
 
 
 class RelPosForSequenceClassification(RelPosPreTrainedModel):

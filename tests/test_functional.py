@@ -30,7 +30,7 @@ from oracles import (
 ATOL64 = 1e-10
 
 HYP = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-HYP_SMALL = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYP_SMALL = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------------------
@@ -190,6 +190,7 @@ SHAW_CASES = [
     (2, 3, 3, 5, 4, 2, 1, "float_inf", False, True, (2, 1, 1, 5)),  # padding-style
     (2, 3, 3, 5, 4, 2, 0, "bool", True, True, (1, 3, 3, 5)),
     (1, 1, 6, 6, 2, 3, 0, "float_inf", True, False, (1, 1, 6, 6)),
+    (1, 2, 2, 3, 4, 1, 10**6, None, True, True, None),  # far-away queries: every distance clamps to -k
 ]
 
 
@@ -239,6 +240,25 @@ def test_large_finite_negative_mask_is_not_treated_as_masked(dtype):
     _, q, k, v, r, u, w = txl_inputs(16, 1, 2, 3, 4, 4, 6, dtype=dtype)
     got = F.transformer_xl_attention(q, k, v, r, u, w, attention_mask=mask, is_causal=False)
     assert_close64(got, txl_ref(q, k, v, r, u, w, is_causal=False), tol)
+
+
+def test_non_contiguous_inputs():
+    """Views in [B, Q, H, D] storage order (as produced by a projection + transpose) work."""
+    g = gen(17)
+    B, H, Q, K, D, kk = 2, 3, 4, 6, 4, 2
+    q = randn(g, B, Q, H, D).transpose(1, 2)
+    k = randn(g, B, K, H, D).transpose(1, 2)
+    v = randn(g, B, K, H, D).transpose(1, 2)
+    rk = randn(g, D, 2 * kk + 1).t()
+    rv = randn(g, D, 2 * kk + 1).t()
+    assert not q.is_contiguous() and not rk.is_contiguous()
+    got = F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=True, past_length=2)
+    assert_close64(got, shaw_ref(q, k, v, rk, rv, max_relative_position=kk, is_causal=True, past_length=2))
+    r = randn(g, K + Q - 1, H, D).transpose(0, 1)
+    u = randn(g, D, H).t()
+    w = randn(g, D, H).t()
+    got = F.transformer_xl_attention(q, k, v, r, u, w, is_causal=False)
+    assert_close64(got, txl_ref(q, k, v, r, u, w, is_causal=False))
 
 
 def test_shaw_rel_v_none_equals_zero_rel_v():
@@ -516,6 +536,23 @@ def test_txl_fully_masked_rows_are_zero(dtype, kind):
         assert_close64(out.double(), want, LOWP_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fully_masked_rows_with_dropout(dtype):
+    B, H, Q, K, D, kk = 2, 2, 4, 5, 8, 2
+    _, q, k, v, rk, rv = shaw_inputs(67, B, H, Q, K, D, kk, dtype=dtype)
+    mask = _full_mask_pattern("float_inf", B, H, Q, K, dtype)
+    torch.manual_seed(1)
+    out = F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk, attention_mask=mask, dropout_p=0.5)
+    assert not torch.isnan(out).any()
+    for b, h, i in _dead_rows():
+        assert (out[b, h, i] == 0).all()
+    _, q, k, v, r, u, w = txl_inputs(68, B, H, Q, K, D, K + Q - 1, dtype=dtype)
+    out = F.transformer_xl_attention(q, k, v, r, u, w, attention_mask=mask, is_causal=False, dropout_p=0.5)
+    assert not torch.isnan(out).any()
+    for b, h, i in _dead_rows():
+        assert (out[b, h, i] == 0).all()
+
+
 def test_shaw_causal_plus_mask_leaves_row_empty():
     """Causal allows only key 0 for query 0 (past_length=0); the mask removes it -> zeros."""
     _, q, k, v, rk, rv = shaw_inputs(63, 1, 1, 3, 3, 4, 1, dtype=torch.float32)
@@ -623,9 +660,12 @@ REL_POS = st.one_of(st.integers(-300, 300), st.integers(-10**6, 10**6))
 
 @HYP
 @given(cfg=t5_config(), xs=st.lists(REL_POS, min_size=1, max_size=64),
-       dtype=st.sampled_from([torch.int64, torch.int32]))
+       dtype=st.sampled_from([torch.int64, torch.int32, torch.int16, torch.int8]))
 def test_t5_bucket_matches_upstream_random(cfg, xs, dtype):
     bidirectional, nb, md = cfg
+    lim = {torch.int16: 2**15 - 1, torch.int8: 2**7 - 1}.get(dtype)
+    if lim is not None:  # keep |x| representable (abs(-128) overflows int8 upstream too)
+        xs = [max(-lim, min(lim, x)) for x in xs]
     rp = torch.tensor(xs, dtype=dtype)
     got = F.t5_relative_position_bucket(rp, bidirectional=bidirectional, num_buckets=nb, max_distance=md)
     want = upstream_bucket(rp, bidirectional, nb, md)
