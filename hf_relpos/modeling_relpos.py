@@ -12,7 +12,7 @@ per-forward term once, and hands both to every layer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -154,6 +154,14 @@ class PositionContext:
     mask: Optional[torch.Tensor]
     position_ids: torch.Tensor
     attn_implementation: str
+    # The model-level scheme, referenced here rather than passed to layers as a module argument: device
+    # hooks (accelerate) would otherwise move its weights on every call.
+    scheme: "PositionScheme"
+
+    def to(self, device, non_blocking: bool = False) -> "PositionContext":
+        """Called by accelerate's hooks when a layer sits on another device."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, mask=move(self.mask), position_ids=move(self.position_ids))
 
     def causal_mask(self, device) -> torch.Tensor:
         """[1, 1, Q, K] bool: key j is at or before the query's position."""
@@ -162,11 +170,14 @@ class PositionContext:
         return (j <= i)[None, None]
 
     def full_mask(self, device) -> Optional[torch.Tensor]:
-        """The bool mask including causality, or None if every query sees every key."""
+        """The bool mask including causality (and a static cache's unfilled slots), or None if nothing is masked."""
         mask = self.mask
         if self.causal:
             causal = self.causal_mask(device)
             mask = causal if mask is None else mask & causal
+        elif self.key_length > self.past_length + self.query_length:
+            filled = (torch.arange(self.key_length, device=device) < self.past_length + self.query_length)
+            mask = filled[None, None, None] if mask is None else mask & filled
         return mask
 
 
@@ -201,7 +212,8 @@ class PositionScheme(nn.Module):
     def forward(self, ctx: PositionContext, device, dtype) -> Any:
         # With nothing masked beyond causality, SDPA's own is_causal flag keeps the fused kernel; it
         # aligns the causal pattern top-left, which is right only when queries and keys coincide.
-        if ctx.attn_implementation == "sdpa" and ctx.mask is None:
+        all_keys_filled = ctx.key_length == ctx.past_length + ctx.query_length  # not so in a StaticCache
+        if ctx.attn_implementation == "sdpa" and ctx.mask is None and all_keys_filled:
             if not ctx.causal or ctx.query_length in (1, ctx.key_length):
                 return None
         return ctx.full_mask(device)
@@ -253,8 +265,10 @@ class T5BiasScheme(AdditiveBiasScheme):
         self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
 
     def bias(self, ctx, device, dtype):
+        table = self.relative_attention_bias
+        weight = table(torch.arange(table.num_embeddings, device=device))
         return t5_position_bias(
-            self.relative_attention_bias.weight,
+            weight,
             ctx.query_length,
             ctx.key_length,
             bidirectional=self.bidirectional,
@@ -350,8 +364,8 @@ class LearnedScheme(AbsoluteScheme):
         super().__init__(config)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
-    def table(self):
-        return self.position_embeddings.weight
+    def embed(self, inputs_embeds, ctx):
+        return inputs_embeds + self.position_embeddings(ctx.position_ids).to(inputs_embeds.dtype)
 
 
 class ShawRelative(nn.Module):
@@ -362,6 +376,10 @@ class ShawRelative(nn.Module):
         n = 2 * config.max_relative_position + 1
         self.rel_k = nn.Parameter(torch.zeros(n, config.head_dim))
         self.rel_v = nn.Parameter(torch.zeros(n, config.head_dim)) if config.shaw_value_embeddings else None
+
+    def forward(self):
+        # called (not just read) so that accelerate's offload hooks load these parameters
+        return self.rel_k, self.rel_v
 
 
 class ShawScheme(PositionScheme):
@@ -379,12 +397,13 @@ class ShawScheme(PositionScheme):
         return None
 
     def attend(self, attn, query, key, value, term, ctx):
+        rel_k, rel_v = attn.relative()
         out = shaw_attention(
             query,
             key,
             value,
-            attn.relative.rel_k,
-            attn.relative.rel_v,
+            rel_k,
+            rel_v,
             max_relative_position=self.max_relative_position,
             attention_mask=ctx.mask,
             is_causal=ctx.causal,
@@ -402,6 +421,9 @@ class TransformerXLRelative(nn.Module):
         self.r_net = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
+
+    def forward(self, term):
+        return self.r_net(term), self.r_w_bias, self.r_r_bias
 
 
 class TransformerXLScheme(PositionScheme):
@@ -426,15 +448,15 @@ class TransformerXLScheme(PositionScheme):
         return sinusoidal_embedding(distances, self.hidden_size).to(dtype)
 
     def attend(self, attn, query, key, value, term, ctx):
-        relative = attn.relative
-        r = relative.r_net(term).view(term.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
+        r, u, w = attn.relative(term)
+        r = r.view(term.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
         out = transformer_xl_attention(
             query,
             key,
             value,
             r,
-            relative.r_w_bias,
-            relative.r_r_bias,
+            u,
+            w,
             attention_mask=ctx.mask,
             is_causal=ctx.causal,
             dropout_p=attn.attention_dropout if attn.training else 0.0,
@@ -480,10 +502,10 @@ class RelPosAttention(nn.Module):
         hidden_states: torch.Tensor,
         term: Any,
         ctx: PositionContext,
-        scheme: PositionScheme,
         memory: Optional[torch.Tensor] = None,
         past_key_values: Optional[Cache] = None,
     ) -> torch.Tensor:
+        scheme = ctx.scheme
         batch, length, _ = hidden_states.shape
         shape = (batch, -1, self.num_heads, self.head_dim)
         query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
@@ -512,14 +534,13 @@ class RelPosDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         term: Any,
         ctx: PositionContext = None,
-        scheme: PositionScheme = None,
         memory: Optional[torch.Tensor] = None,
         past_key_values: Optional[Cache] = None,
     ) -> torch.Tensor:
         residual = hidden_states
         normed_memory = None if memory is None else self.input_layernorm(memory)
         hidden_states = self.self_attn(
-            self.input_layernorm(hidden_states), term, ctx, scheme, normed_memory, past_key_values
+            self.input_layernorm(hidden_states), term, ctx, normed_memory, past_key_values
         )
         hidden_states = residual + self.dropout(hidden_states)
         residual = hidden_states
@@ -656,7 +677,9 @@ class RelPosModel(RelPosPreTrainedModel):
                     f"past_key_values: StaticCache is not supported by position_encoding="
                     f"{config.position_encoding!r}; use DynamicCache"
                 )
-            if len(past_key_values.layers) > config.num_hidden_layers:
+            if len(past_key_values.layers) > config.num_hidden_layers or (
+                past_key_values.get_seq_length() > 0 and len(past_key_values.layers) != config.num_hidden_layers
+            ):
                 raise ValueError(
                     f"past_key_values has {len(past_key_values.layers)} layers, this model has num_hidden_layers="
                     f"{config.num_hidden_layers}: the cache comes from a different configuration"
@@ -701,7 +724,15 @@ class RelPosModel(RelPosPreTrainedModel):
                         f"hidden_size={config.hidden_size}] (all layers the same length), got {got}"
                     )
 
-        if attention_mask is not None:
+        if attention_mask is not None and attention_mask.dim() == 4:
+            # A prepared 4-D mask (generate builds one for static caches): [batch, 1, seq_len, keys].
+            keys = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values is not None else length
+            if tuple(attention_mask.shape) != (batch, 1, length, keys) or mems is not None:
+                raise ValueError(
+                    f"a 4-D attention_mask must be [batch={batch}, 1, seq_len={length}, keys={keys}] (and cannot be "
+                    f"combined with mems), got shape {tuple(attention_mask.shape)}"
+                )
+        elif attention_mask is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (
                 length + past,
                 length + past + mem_length,
@@ -786,6 +817,7 @@ class RelPosModel(RelPosPreTrainedModel):
             mask=mask,
             position_ids=position_ids,
             attn_implementation=impl,
+            scheme=self.position,
         )
 
         hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
@@ -800,7 +832,7 @@ class RelPosModel(RelPosPreTrainedModel):
             if new_mems is not None:
                 new_mems.append(self._update_memory(memory, hidden_states))
             hidden_states = layer(
-                hidden_states, term, ctx=ctx, scheme=self.position, memory=memory, past_key_values=past_key_values
+                hidden_states, term, ctx=ctx, memory=memory, past_key_values=past_key_values
             )
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
@@ -824,6 +856,10 @@ class RelPosModel(RelPosPreTrainedModel):
         Causality is kept separately (``PositionContext.causal``) so that the fused causal kernel stays
         available; memory keys are always visible.
         """
+        if attention_mask is not None and attention_mask.dim() == 4:
+            if attention_mask.dtype == torch.bool:
+                return attention_mask
+            return attention_mask > torch.finfo(attention_mask.dtype).min / 2
         length = inputs_embeds.shape[1]
         memory_mask = None
         if attention_mask is not None and mem_length and attention_mask.shape[1] == mem_length + length:
