@@ -1,0 +1,93 @@
+"""The embedded corpus, the tokenizer and the datasets of the command line.
+
+The default corpus is real English that ships with Python itself: the documentation topics of
+``pydoc_data.topics`` (79 topics, about 455 KiB), read at run time, never downloaded. Topics are
+split whole into train / validation / test so that held-out text is unseen prose.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2: RelPosConfig's pad/eos defaults
+
+
+def embedded_corpus() -> dict[str, str]:
+    """Python's bundled documentation topics as train / validation / test text (every 10th topic held out)."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    split = {"train": [], "validation": [], "test": []}
+    for index, name in enumerate(names):
+        part = "test" if index % 10 == 3 else "validation" if index % 10 == 7 else "train"
+        split[part].append(topics[name])
+    return {part: "\n\n".join(texts) for part, texts in split.items()}
+
+
+def read_text_files(paths: Sequence[str | Path]) -> dict[str, str]:
+    """User text files: the last 10% of the characters of each file are held out (half validation, half test)."""
+    train, validation, test = [], [], []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--train-file {str(path)!r} is not a readable file")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if len(text) < 1000:
+            raise ValueError(f"--train-file {str(path)!r} holds {len(text)} characters; at least 1000 are needed")
+        cut, mid = int(len(text) * 0.9), int(len(text) * 0.95)
+        train.append(text[:cut])
+        validation.append(text[cut:mid])
+        test.append(text[mid:])
+    return {"train": "\n\n".join(train), "validation": "\n\n".join(validation), "test": "\n\n".join(test)}
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
+    """A byte-level BPE (GPT-2 style) trained on ``texts`` with ``tokenizers``; reloads with ``AutoTokenizer``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(texts), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def encode(tokenizer, text: str) -> torch.Tensor:
+    """The whole text as one stream of token ids (no special tokens)."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+class Chunks(Dataset):
+    """Non-overlapping chunks of ``length`` tokens of one stream, for causal-LM training (labels = inputs)."""
+
+    def __init__(self, stream: torch.Tensor, length: int, limit: Optional[int] = None):
+        count = stream.numel() // length
+        if count < 1:
+            raise ValueError(f"the token stream holds {stream.numel()} tokens, fewer than one chunk of {length}")
+        if limit is not None:
+            count = min(count, limit)
+        self.data = stream[: count * length].view(count, length)
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, index: int) -> dict:
+        ids = self.data[index]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+__all__ = ["embedded_corpus", "read_text_files", "train_tokenizer", "encode", "Chunks", "SPECIAL_TOKENS"]
