@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean
+.PHONY: run test setup clean demo-biases
 
 setup: $(STAMP)
 
@@ -17,8 +17,15 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m pip install --quiet -c constraints-dev.txt -e ".[test]"
 	touch $(STAMP)
 
+# The main job: train on the embedded corpus, then reload the saved folder through the Auto classes
+# (trust_remote_code=True) and generate a sample.
 run: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) scripts/demo_biases.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos train --output-dir runs/demo --steps 300
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos generate runs/demo --prompt "The for statement"
+
+# What each scheme adds to attention, printed for a small example.
+demo-biases: $(STAMP)
+	$(PY) scripts/demo_biases.py
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest

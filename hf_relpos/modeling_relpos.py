@@ -119,14 +119,20 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ):
-    """Plain attention; scores and softmax in float32 so that a fully masked row stays finite."""
+    """Plain attention in float32; a query row with no key left gives zeros, as SDPA does."""
     scores = torch.matmul(query, key.transpose(2, 3)).float() * scaling
+    keep = None
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
+            keep = attention_mask
             scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
         else:
+            keep = attention_mask > torch.finfo(attention_mask.dtype).min / 2
             scores = scores + attention_mask.float()
-    weights = F.softmax(scores, dim=-1).to(query.dtype)
+    weights = F.softmax(scores, dim=-1)
+    if keep is not None:
+        weights = weights * keep.any(dim=-1, keepdim=True)
+    weights = weights.to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
