@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases
+.PHONY: run test setup clean demo-biases bench
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml constraints-dev.txt
 run: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos train --output-dir runs/demo --steps 300
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos generate runs/demo --prompt "The for statement"
+
+# Speed and memory against upstream T5 and plain attention (writes results/bench-cpu.md).
+bench: $(STAMP)
+	$(PY) scripts/bench.py
 
 # What each scheme adds to attention, printed for a small example.
 demo-biases: $(STAMP)

@@ -1,0 +1,207 @@
+"""Speed and memory of every hf_relpos scheme against upstream T5 and against plain attention (rope).
+
+Forward and forward+backward (bidirectional, as T5's encoder) at several lengths, contenders
+interleaved A B A B in one process, medians after warm-up; peak memory per contender in a process
+of its own; cached decoding tokens/s. Writes a Markdown table with the command, date, torch version
+and machine.
+
+    python scripts/bench.py                       # the full run (about 15-25 minutes on 2 CPU cores)
+    python scripts/bench.py --quick               # a few minutes: n=512, fewer repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SCHEMES = ["rope", "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "sinusoidal", "learned"]
+UPSTREAM = "upstream_t5"
+SIZE = dict(hidden_size=512, num_attention_heads=8, num_hidden_layers=2, intermediate_size=2048)
+
+
+def build(name: str, causal: bool = False):
+    """A contender: an hf_relpos body (or upstream T5EncoderModel) of the benchmark size."""
+    torch.manual_seed(0)
+    if name == UPSTREAM:
+        from transformers import T5Config, T5EncoderModel
+
+        config = T5Config(
+            vocab_size=1024, d_model=512, d_kv=64, num_heads=8, num_layers=2, d_ff=2048, dropout_rate=0.0,
+            relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="relu",
+        )
+        return T5EncoderModel(config).train()
+    from hf_relpos import RelPosConfig, RelPosForCausalLM, RelPosModel
+
+    config = RelPosConfig(
+        position_encoding=name, vocab_size=1024, max_position_embeddings=8192, is_decoder=causal, **SIZE
+    )
+    return (RelPosForCausalLM(config) if causal else RelPosModel(config)).train()
+
+
+def step(model, ids, backward: bool) -> None:
+    if backward:
+        out = model(input_ids=ids).last_hidden_state
+        out.float().pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+    else:
+        with torch.no_grad():
+            model(input_ids=ids)
+
+
+def time_interleaved(names, n, batch, repeats, backward) -> dict:
+    models = {name: build(name) for name in names}
+    ids = torch.randint(0, 1024, (batch, n))
+    for model in models.values():  # warm-up
+        step(model, ids, backward)
+    times = {name: [] for name in names}
+    for _ in range(repeats):
+        for name, model in models.items():
+            start = time.perf_counter()
+            step(model, ids, backward)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _high_water_mib() -> float:
+    """This process's peak resident set (VmHWM). Unlike ru_maxrss, it starts afresh at exec, so the
+    parent's peak does not leak into the child's reading."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory_child(name: str, n: int, batch: int) -> None:
+    """Runs in its own process: prints the peak resident set of one fwd+bwd step (MiB)."""
+    model = build(name)
+    ids = torch.randint(0, 1024, (batch, n))
+    base = _high_water_mib()
+    step(model, ids, backward=True)
+    peak = _high_water_mib()
+    print(json.dumps({"peak_mib": peak, "delta_mib": peak - base}))
+
+
+def peak_memory(name: str, n: int, batch: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child-memory", name, str(n), str(batch)],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@torch.no_grad()
+def decode_tokens_per_second(names, context: int, new_tokens: int, repeats: int) -> dict:
+    """Greedy cached decoding after a prefill of ``context`` tokens, contenders interleaved."""
+    models = {name: build(name, causal=True).eval() for name in names}
+    ids = torch.randint(0, 1024, (1, context))
+    rates = {name: [] for name in names}
+    for repeat in range(repeats + 1):  # the first round is a warm-up
+        for name, model in models.items():
+            out = model(input_ids=ids, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            start = time.perf_counter()
+            for _ in range(new_tokens):
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+            if repeat:
+                rates[name].append(new_tokens / (time.perf_counter() - start))
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--schemes", nargs="+", default=SCHEMES, choices=SCHEMES)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="n=512, contexts 256/1024, 3 repeats")
+    parser.add_argument("--output", default="results/bench-cpu.md")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory runs")
+    parser.add_argument("--child-memory", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child_memory:
+        name, n, batch = args.child_memory
+        return peak_memory_child(name, int(n), int(batch))
+    if args.quick:
+        args.lengths, args.contexts, args.repeats = [512], [256, 1024], 3
+
+    from tqdm.auto import tqdm
+
+    schemes = ["rope"] + [s for s in args.schemes if s != "rope"]
+    contenders = schemes + ([UPSTREAM] if "t5_bias" in schemes else [])
+    rows = {}
+    jobs = [(n, backward) for n in args.lengths for backward in (False, True)]
+    for n, backward in tqdm(jobs, desc="fwd / fwd+bwd"):
+        rows[(n, backward)] = time_interleaved(contenders, n, args.batch, args.repeats, backward)
+    memory = {}
+    if not args.no_memory:
+        for n in tqdm(args.lengths, desc="peak memory"):
+            for name in contenders:
+                memory[(name, n)] = peak_memory(name, n, args.batch)
+    decode = {}
+    for context in tqdm(args.contexts, desc="decoding"):
+        for name, rate in decode_tokens_per_second(schemes, context, args.new_tokens, args.repeats).items():
+            decode[(name, context)] = rate
+
+    lines = [
+        "# CPU benchmark",
+        "",
+        f"Command: `python scripts/bench.py {' '.join(sys.argv[1:])}`  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads; "
+        f"batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048, fp32, bidirectional (as T5's encoder); "
+        f"medians of {args.repeats} interleaved runs after a warm-up.",
+        "",
+        "Times are ratios: **vs rope** = this scheme's time / rope's (plain fused SDPA, the floor); "
+        "**vs upstream** = t5_bias's time / `transformers.T5EncoderModel`'s (same size and buckets). "
+        "Lower is faster. Absolute times on this shared CPU are not meaningful.",
+        "",
+    ]
+    for n in args.lengths:
+        lines += [f"## n = {n}", "", "| scheme | fwd vs rope | fwd+bwd vs rope | fwd vs upstream T5 | fwd+bwd vs upstream T5 | peak MiB (fwd+bwd) | of which the step |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        fwd, bwd = rows[(n, False)], rows[(n, True)]
+        for name in contenders:
+            versus_t5 = name == "t5_bias" and UPSTREAM in fwd
+            mem = memory.get((name, n))
+            cells = [
+                name,
+                f"{fwd[name] / fwd['rope']:.2f}",
+                f"{bwd[name] / bwd['rope']:.2f}",
+                f"{fwd[name] / fwd[UPSTREAM]:.2f}" if versus_t5 else "",
+                f"{bwd[name] / bwd[UPSTREAM]:.2f}" if versus_t5 else "",
+                f"{mem['peak_mib']:.0f}" if mem else "–",
+                f"{mem['delta_mib']:.0f}" if mem else "–",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Cached decoding", "",
+              f"Tokens/s generating {args.new_tokens} tokens (batch 1, greedy, causal model) after a context, as a ratio "
+              "to rope's tokens/s (higher is faster).", "",
+              "| scheme | " + " | ".join(f"context {c}" for c in args.contexts) + " |",
+              "| --- | " + " | ".join("---:" for _ in args.contexts) + " |"]
+    for name in schemes:
+        lines.append(f"| {name} | " + " | ".join(
+            f"{decode[(name, c)] / decode[('rope', c)]:.2f}" for c in args.contexts) + " |")
+    text = "\n".join(lines) + "\n"
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
