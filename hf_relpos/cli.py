@@ -83,7 +83,7 @@ def train(args) -> dict:
     with_memory = config.position_encoding == "transformer_xl" and config.mem_len > 0
     if with_memory:
         train_set = OrderedSegments(streams["train"], args.batch_size, args.seq_len)
-        eval_set = OrderedSegments(streams["validation"], args.batch_size, args.seq_len)
+        eval_set = OrderedSegments(streams["validation"][: 64 * args.seq_len], args.batch_size, args.seq_len)
         trainer_class = MemoryTrainer
     else:
         train_set = Chunks(streams["train"], args.seq_len)
@@ -191,7 +191,7 @@ def load_folder(folder: str):
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise ValueError(f"folder {folder!r} holds no config.json: pass a folder written by `hf-relpos train`")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     return model, tokenizer
 
@@ -224,8 +224,10 @@ def evaluate_lengths(model, stream, lengths, max_tokens=None) -> dict:
     for length in lengths:
         try:
             result[length] = segment_perplexity(model, stream, length, use_memory=False, max_tokens=max_tokens)
-        except ValueError:  # a learned position table ends before this length
-            result[length] = math.inf
+        except ValueError as error:
+            if "max_position_embeddings" not in str(error):
+                raise
+            result[length] = math.inf  # a learned position table ends before this length
     return result
 
 
@@ -334,7 +336,7 @@ def compare(args) -> dict:
         rows.append(row)
         tqdm.write(f"{scheme:>15}: " + "  ".join(f"{f}x {row[f'ppl_{f}x']:.2f}" for f in factors))
     meta = {
-        "command": "hf-relpos " + " ".join(sys.argv[1:]) if sys.argv and "compare" in sys.argv else "hf-relpos compare",
+        "command": "hf-relpos " + " ".join(getattr(args, "argv", ["compare"])),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "seq_len": args.seq_len, "steps": args.steps, "preset": args.preset, "batch_size": args.batch_size,
@@ -459,6 +461,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    for factor in getattr(args, "factors", None) or []:
+        _positive("--factors", factor)
     for name in ("seq_len", "steps", "batch_size", "max_new_tokens", "eval_tokens", "vocab_size"):
         _positive("--" + name.replace("_", "-"), getattr(args, name, None))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -476,7 +481,8 @@ def main(argv: Optional[list] = None) -> int:
         return validate_t5(args)
     elif args.command == "compare":
         if args.quick:
-            args.steps, args.seq_len, args.eval_tokens = min(args.steps, 60), min(args.seq_len, 64), 4096
+            args.steps, args.seq_len = min(args.steps, 60), min(args.seq_len, 64)
+            args.eval_tokens = min(args.eval_tokens or 4096, 4096)
         compare(args)
     return 0
 

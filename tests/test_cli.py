@@ -1,0 +1,488 @@
+"""Tests of the ``hf-relpos`` command line: train, generate, eval, validate-t5, compare.
+
+Every run is tiny (preset ``tiny``, a few steps, L = 16 or 32, a 300-token BPE) and in-process
+(``hf_relpos.cli.main``) so that the whole file stays well under a minute and a half on two CPU
+cores. Nothing is downloaded: the corpus is Python's bundled documentation and every output lives
+under pytest's temporary folders.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_relpos
+import hf_relpos.functional
+from hf_relpos import cli
+from hf_relpos.data import embedded_corpus, encode
+from hf_relpos.memory import segment_perplexity
+
+torch.set_num_threads(1)
+
+PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent
+CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "functional.py")
+AUTO_MAP_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
+SUBCOMMANDS = ("train", "generate", "eval", "validate-t5", "compare")
+SCHEME_TAG = {"t5_bias": "t5-bias", "transformer_xl": "transformer-xl", "learned": "learned-absolute"}
+PROMPT = "The function"
+
+# (seq_len, steps, eval_tokens) per scheme trained by the module fixtures
+SETTINGS = {"t5_bias": (16, 4, 200), "learned": (16, 3, 200), "transformer_xl": (32, 3, 300)}
+
+
+def tiny_args(scheme, folder, *, seq_len, steps, eval_tokens, extra=()):
+    return [
+        "train", "--position-encoding", scheme, "--output-dir", str(folder),
+        "--steps", str(steps), "--seq-len", str(seq_len), "--batch-size", "4", "--vocab-size", "300",
+        "--eval-tokens", str(eval_tokens), "--quiet", *extra,
+    ]  # fmt: skip
+
+
+def train_folder(tmp_path_factory, scheme) -> Path:
+    seq_len, steps, eval_tokens = SETTINGS[scheme]
+    folder = tmp_path_factory.mktemp(f"cli-{scheme}") / scheme
+    assert cli.main(tiny_args(scheme, folder, seq_len=seq_len, steps=steps, eval_tokens=eval_tokens)) == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def t5_folder(tmp_path_factory):
+    return train_folder(tmp_path_factory, "t5_bias")
+
+
+@pytest.fixture(scope="module")
+def learned_folder(tmp_path_factory):
+    return train_folder(tmp_path_factory, "learned")
+
+
+@pytest.fixture(scope="module")
+def txl_folder(tmp_path_factory):
+    return train_folder(tmp_path_factory, "transformer_xl")
+
+
+def read_run(folder: Path) -> dict:
+    return json.loads((folder / cli.RUN_FILE).read_text())
+
+
+def front_matter(card: str) -> dict:
+    match = re.match(r"\A---\n(.*?)\n---\n", card, re.S)
+    assert match, "README.md does not open with a YAML front matter block"
+    return yaml.safe_load(match.group(1))
+
+
+def parse_eval(stdout: str) -> dict:
+    """``hf-relpos eval`` lines ``ppl@N: value`` (and ``ppl@N+memoryM: value``) -> {name: text}."""
+    return dict(re.findall(r"^\s*(ppl@\S+): (\S+)\s*$", stdout, re.M))
+
+
+# ---------------------------------------------------------------------------
+# 1. train writes a Hub-ready folder
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["t5_bias", "transformer_xl"])
+def test_train_writes_hub_ready_folder(scheme, request):
+    folder = request.getfixturevalue({"t5_bias": "t5_folder", "transformer_xl": "txl_folder"}[scheme])
+    seq_len, steps, eval_tokens = SETTINGS[scheme]
+    names = {p.name for p in folder.iterdir()}
+
+    # weights: safetensors only
+    assert "model.safetensors" in names
+    assert not [n for n in names if n.endswith(".bin") or n.startswith("pytorch_model")], names
+
+    # config with a complete auto_map pointing at code files that ship in the folder
+    config = json.loads((folder / "config.json").read_text())
+    assert config["position_encoding"] == scheme
+    auto_map = config.get("auto_map", {})
+    assert set(AUTO_MAP_KEYS) <= set(auto_map), auto_map
+    for key in AUTO_MAP_KEYS:
+        module, _, cls = auto_map[key].partition(".")
+        assert (folder / f"{module}.py").is_file(), auto_map[key]
+        assert f"class {cls}(" in (folder / f"{module}.py").read_text(), auto_map[key]
+    for name in CODE_FILES:
+        assert (folder / name).read_bytes() == (PACKAGE_DIR / name).read_bytes(), f"{name} differs from the package"
+
+    # tokenizer loadable by AutoTokenizer, matching the model's vocabulary
+    run = read_run(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == config["vocab_size"] == run["vocab_size"]
+    assert tokenizer.eos_token_id == config["eos_token_id"] and tokenizer.pad_token_id == config["pad_token_id"]
+    text = "def f(x):\n    return x + 1"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+    # the run summary is what was asked for
+    assert run["position_encoding"] == scheme
+    assert (run["steps"], run["seq_len"], run["batch_size"], run["test_tokens"]) == (steps, seq_len, 4, eval_tokens)
+    assert math.isfinite(run["test_ppl"]) and run["test_ppl"] > 1
+    assert 0 < run["position_parameters"] < run["parameters"]
+
+    # model card: front matter, real numbers, no placeholder left
+    card = (folder / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["library_name"] == "transformers"
+    assert meta["pipeline_tag"] == "text-generation"
+    assert "custom_code" in meta["tags"] and SCHEME_TAG[scheme] in meta["tags"], meta["tags"]
+    assert "{{" not in card and "}}" not in card
+    assert f"test perplexity at length {seq_len} | {run['test_ppl']:.2f} ({eval_tokens:,} held-out tokens)" in card
+    assert f"| steps × batch | {steps} × 4," in card
+    assert f"{run['train_tokens']:,}" in card and f"{run['parameters']:,} parameters" in card
+    assert f"({run['position_parameters']:,} in the position scheme)" in card
+    if scheme == "transformer_xl":
+        assert run["mem_len"] == seq_len
+        assert math.isfinite(run["test_ppl_with_memory"])
+        assert f"| test perplexity with memory | {run['test_ppl_with_memory']:.2f} |" in card
+        assert f"memory {seq_len}" in card
+    else:
+        assert "test_ppl_with_memory" not in run and "with memory" not in card
+
+    # checkpoints live next to the model folder, never inside it
+    assert not [n for n in names if n.startswith("checkpoint")], names
+    checkpoints = folder.parent / f"{folder.name}-checkpoints"
+    assert checkpoints.is_dir()
+    assert f"checkpoint-{steps}" in {p.name for p in checkpoints.iterdir()}
+
+
+# ---------------------------------------------------------------------------
+# 2. --resume
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme, seq_len", [("t5_bias", 16), ("transformer_xl", 32)])
+def test_train_resume_continues_from_last_checkpoint(scheme, seq_len, tmp_path, monkeypatch):
+    folder = tmp_path / "model"
+    settings = dict(seq_len=seq_len, eval_tokens=200)
+    assert cli.main(tiny_args(scheme, folder, steps=4, **settings)) == 0
+    checkpoints = tmp_path / "model-checkpoints"
+    assert "checkpoint-4" in {p.name for p in checkpoints.iterdir()}
+
+    # count the optimizer steps the second run really takes, and from which global step
+    seen, mems_at_first_step = [], []
+    original = transformers.Trainer.training_step
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.state.global_step)
+        if len(seen) == 1:
+            mems_at_first_step.append(getattr(self, "train_mems", None) is not None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Trainer, "training_step", spy)
+    assert cli.main(tiny_args(scheme, folder, steps=8, extra=["--resume"], **settings)) == 0
+
+    assert seen == [4, 5, 6, 7], f"resumed run should take steps 5..8 only, took global steps {seen}"
+    assert read_run(folder)["steps"] == 8
+    names = {p.name for p in checkpoints.iterdir()}
+    assert "checkpoint-8" in names, names
+    state = json.loads((checkpoints / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["global_step"] == 8 and state["max_steps"] == 8
+    if scheme == "transformer_xl":  # the memory saved with checkpoint-4 is carried into step 5
+        assert mems_at_first_step == [True]
+        assert (checkpoints / "checkpoint-8" / "mems.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------
+# 3. generate
+# ---------------------------------------------------------------------------
+
+
+def test_generate_greedy_starts_with_prompt_and_matches_model(t5_folder, capsys):
+    capsys.readouterr()
+    argv = ["generate", str(t5_folder), "--prompt", PROMPT, "--quiet", "--temperature", "0", "--max-new-tokens", "8"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.endswith("\n")
+    text = printed[:-1]
+    assert text.startswith(PROMPT), text
+    assert len(text) > len(PROMPT), "nothing was generated"
+
+    # the same greedy decoding done by hand through the Auto classes
+    tokenizer = AutoTokenizer.from_pretrained(t5_folder)
+    model = AutoModelForCausalLM.from_pretrained(t5_folder, trust_remote_code=True).eval()
+    inputs = tokenizer(PROMPT, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False)
+    output = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert text == tokenizer.decode(output[0], skip_special_tokens=True)
+
+    # streaming (not --quiet) prints the prompt and continuation too
+    assert cli.main(argv[:4] + ["--temperature", "0", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith(PROMPT)
+
+
+def test_model_card_snippet_runs_without_hf_relpos(t5_folder, tmp_path):
+    """The card's "How to load" code, run as written in a process that cannot import hf_relpos,
+    loads the folder's own code, generates what the installed package generates, and asks nothing."""
+    card = (t5_folder / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", card, re.S)
+    assert snippet and "path/to/this/folder" in snippet.group(1)
+    code = snippet.group(1).replace("path/to/this/folder", str(t5_folder))
+    guard = textwrap.dedent(
+        """
+        import sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "hf_relpos" or name.startswith("hf_relpos."):
+                    raise ImportError("hf_relpos is blocked in this process")
+
+        sys.meta_path.insert(0, Block())
+        import torch
+        torch.set_num_threads(1)
+        """
+    )
+    check = "\nassert 'hf_relpos' not in sys.modules and type(model).__module__.startswith('transformers_modules')\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(
+        [sys.executable, "-c", guard + code + check], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # the same snippet in this process, with hf_relpos installed
+    tokenizer = AutoTokenizer.from_pretrained(t5_folder)
+    model = AutoModelForCausalLM.from_pretrained(t5_folder, trust_remote_code=True)
+    inputs = tokenizer("The", return_tensors="pt", return_token_type_ids=False)
+    expected = tokenizer.decode(model.generate(**inputs, max_new_tokens=40)[0])
+    assert result.stdout.endswith(expected + "\n"), (result.stdout[-500:], expected)
+    # nothing interactive: a user pasting the card's code into a terminal must not be asked questions
+    assert "Do you wish to run the custom code" not in result.stdout + result.stderr, result.stdout[:600]
+
+
+# ---------------------------------------------------------------------------
+# 4. eval
+# ---------------------------------------------------------------------------
+
+
+def test_eval_t5_bias_finite_at_every_length(t5_folder, capsys):
+    capsys.readouterr()
+    seq_len, _, eval_tokens = SETTINGS["t5_bias"]
+    assert cli.main(["eval", str(t5_folder), "--eval-tokens", str(eval_tokens)]) == 0
+    values = parse_eval(capsys.readouterr().out)
+    assert list(values) == [f"ppl@{seq_len * f}" for f in (1, 2, 4)], values
+    for name, text in values.items():
+        assert math.isfinite(float(text)) and float(text) > 1, (name, text)
+    # at L on the same held-out tokens it is the number train reported (and wrote in the card)
+    assert values[f"ppl@{seq_len}"] == f"{read_run(t5_folder)['test_ppl']:.2f}"
+
+
+def test_eval_matches_independent_perplexity(t5_folder, capsys):
+    """eval's 2L number is the perplexity of the held-out text, recomputed here without the CLI."""
+    capsys.readouterr()
+    seq_len, _, _ = SETTINGS["t5_bias"]
+    assert cli.main(["eval", str(t5_folder), "--factors", "2", "--eval-tokens", "300"]) == 0
+    values = parse_eval(capsys.readouterr().out)
+    tokenizer = AutoTokenizer.from_pretrained(t5_folder)
+    model = AutoModelForCausalLM.from_pretrained(t5_folder, trust_remote_code=True).eval()
+    stream = encode(tokenizer, embedded_corpus()["test"])
+    expected = segment_perplexity(model, stream, 2 * seq_len, use_memory=False, max_tokens=300)
+    assert values == {f"ppl@{2 * seq_len}": f"{expected:.2f}"}
+
+
+def test_eval_learned_is_inf_past_training_length(learned_folder, capsys):
+    capsys.readouterr()
+    seq_len, _, eval_tokens = SETTINGS["learned"]
+    assert json.loads((learned_folder / "config.json").read_text())["max_position_embeddings"] == seq_len
+    assert cli.main(["eval", str(learned_folder), "--eval-tokens", str(eval_tokens)]) == 0
+    values = parse_eval(capsys.readouterr().out)
+    assert list(values) == [f"ppl@{seq_len * f}" for f in (1, 2, 4)], values
+    assert math.isfinite(float(values[f"ppl@{seq_len}"]))
+    assert values[f"ppl@{seq_len}"] == f"{read_run(learned_folder)['test_ppl']:.2f}"
+    assert values[f"ppl@{2 * seq_len}"] == "inf" and values[f"ppl@{4 * seq_len}"] == "inf", values
+
+
+def test_eval_transformer_xl_reports_memory(txl_folder, capsys):
+    capsys.readouterr()
+    seq_len, _, eval_tokens = SETTINGS["transformer_xl"]
+    assert cli.main(["eval", str(txl_folder), "--factors", "1", "--eval-tokens", str(eval_tokens)]) == 0
+    values = parse_eval(capsys.readouterr().out)
+    run = read_run(txl_folder)
+    assert values == {
+        f"ppl@{seq_len}": f"{run['test_ppl']:.2f}",
+        f"ppl@{seq_len}+memory{seq_len}": f"{run['test_ppl_with_memory']:.2f}",
+    }
+
+
+def test_eval_rejects_non_positive_factors(t5_folder, capsys):
+    """A zero factor is a usage error, not a scheme that "cannot run": it must not print inf."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["eval", str(t5_folder), "--factors", "1", "0", "--eval-tokens", "50"])
+    assert "--factors" in str(info.value.code), capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------
+# 5. validate-t5
+# ---------------------------------------------------------------------------
+
+
+def test_validate_t5_ok(capsys):
+    assert cli.main(["validate-t5"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "MISMATCH" not in out
+    assert f"transformers {transformers.__version__}" in out
+    assert re.search(r"mismatches: 0\b", out), out
+
+
+def test_validate_t5_detects_broken_buckets(monkeypatch, capsys):
+    original = hf_relpos.functional.t5_relative_position_bucket
+    signature = inspect.signature(original)
+
+    def off_by_one(*args, **kwargs):  # still a valid bucket index, just the wrong one
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return (original(*args, **kwargs) + 1) % bound.arguments["num_buckets"]
+
+    # validate_t5 imports the name from hf_relpos.functional at call time, and t5_position_bias
+    # looks it up in the same module, so both the bucket check and the bias check see the break
+    monkeypatch.setattr(hf_relpos.functional, "t5_relative_position_bucket", off_by_one)
+    assert cli.main(["validate-t5"]) != 0
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "OK" not in out
+    assert not re.search(r"mismatches: 0\b", out), out
+
+
+# ---------------------------------------------------------------------------
+# 6. compare
+# ---------------------------------------------------------------------------
+
+
+def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "compare"
+    schemes = ["t5_bias", "learned", "alibi"]
+    seq_len, steps = 16, 3
+    argv = ["compare", "--quick", "--schemes", *schemes, "--output-dir", str(out), "--steps", str(steps),
+            "--seq-len", str(seq_len), "--batch-size", "4", "--vocab-size", "300"]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((out / "compare.json").read_text())
+    table = (out / "compare.md").read_text()
+    assert table in printed
+    assert data["meta"]["steps"] == steps and data["meta"]["seq_len"] == seq_len
+
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| scheme"))
+    columns = [c.strip() for c in lines[header].strip("|").split("|")]
+    assert columns[:2] == ["scheme", "position params"], columns
+    body = []
+    for line in lines[header + 2 :]:
+        if not line.startswith("|"):
+            break
+        body.append([c.strip() for c in line.strip("|").split("|")])
+    assert [row[0] for row in body] == schemes
+    assert [row["scheme"] for row in data["rows"]] == schemes
+
+    def cell(value):
+        return "∞ (cannot run)" if math.isinf(value) else f"{value:.2f}"
+
+    for cells, row in zip(body, data["rows"]):
+        assert cells == [row["scheme"], f"{row['position_params']:,}", cell(row["ppl_1x"]), cell(row["ppl_2x"]),
+                         cell(row["ppl_4x"])]  # fmt: skip
+        # the L column is the held-out perplexity train measured on the same tokens
+        run = read_run(out / row["scheme"])
+        assert run["position_parameters"] == row["position_params"]
+        assert row["ppl_1x"] == pytest.approx(run["test_ppl"], rel=1e-9)
+        assert math.isfinite(row["ppl_1x"])
+
+    by_scheme = {cells[0]: cells for cells in body}
+    assert "∞" in by_scheme["learned"][3] and "∞" in by_scheme["learned"][4]
+    for scheme in ("t5_bias", "alibi"):
+        assert "∞" not in "".join(by_scheme[scheme]), by_scheme[scheme]
+    rows = {row["scheme"]: row for row in data["rows"]}
+    assert math.isinf(rows["learned"]["ppl_2x"]) and math.isinf(rows["learned"]["ppl_4x"])
+    assert rows["alibi"]["position_params"] == 0  # parameter-free
+    assert rows["learned"]["position_params"] == seq_len * cli.PRESETS["tiny"]["hidden_size"]
+
+
+def test_compare_quick_caps_but_keeps_smaller_user_settings(monkeypatch):
+    """--quick shortens the run; it must not override smaller values the user asked for."""
+    seen = []
+    monkeypatch.setattr(cli, "compare", seen.append)
+    assert cli.main(["compare", "--quick"]) == 0
+    assert (seen[-1].steps, seen[-1].seq_len) == (60, 64)
+    assert seen[-1].eval_tokens == 4096
+    assert cli.main(["compare", "--quick", "--steps", "3", "--seq-len", "16", "--eval-tokens", "400"]) == 0
+    assert (seen[-1].steps, seen[-1].seq_len) == (3, 16)
+    assert seen[-1].eval_tokens == 400, f"--quick replaced --eval-tokens 400 by {seen[-1].eval_tokens}"
+
+
+# ---------------------------------------------------------------------------
+# 7. bad arguments
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["train", "--steps", "0"], "--steps"),
+        (["train", "--seq-len", "-1"], "--seq-len"),
+        (["train", "--batch-size", "0"], "--batch-size"),
+        (["train", "--vocab-size", "0"], "--vocab-size"),
+        (["compare", "--steps", "0"], "--steps"),
+        (["eval", "some-folder", "--seq-len", "0"], "--seq-len"),
+        (["generate", "some-folder", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ],
+)
+def test_non_positive_arguments_exit_naming_the_flag(argv, flag, tmp_path):
+    output = tmp_path / "never"
+    if argv[0] in ("train", "compare"):
+        argv = argv + ["--output-dir", str(output)]
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    message = str(info.value.code)
+    assert info.value.code not in (0, None)
+    assert flag in message and "must be >= 1" in message, message
+    assert not output.exists()
+
+
+def test_generate_and_eval_need_a_trained_folder(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=re.escape(str(empty))):
+        cli.main(["generate", str(empty), "--quiet"])
+    with pytest.raises(ValueError, match="config.json"):
+        cli.main(["eval", str(empty)])
+    missing = tmp_path / "missing"
+    with pytest.raises(ValueError, match=re.escape(str(missing))):
+        cli.main(["generate", str(missing)])
+
+
+def test_train_file_errors_name_the_flag(tmp_path):
+    missing = tmp_path / "nope.txt"
+    argv = ["train", "--output-dir", str(tmp_path / "m"), "--steps", "1", "--seq-len", "16", "--quiet"]
+    with pytest.raises(ValueError, match="--train-file") as info:
+        cli.main(argv + ["--train-file", str(missing)])
+    assert str(missing) in str(info.value)
+    short = tmp_path / "short.txt"
+    short.write_text("too short " * 10)
+    with pytest.raises(ValueError, match="--train-file .*at least 1000"):
+        cli.main(argv + ["--train-file", str(short)])
+
+
+# ---------------------------------------------------------------------------
+# 8. the console script
+# ---------------------------------------------------------------------------
+
+
+def test_console_script_help_lists_subcommands():
+    script = Path(sys.executable).parent / "hf-relpos"
+    assert script.is_file(), f"console script not installed next to {sys.executable}"
+    result = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: hf-relpos")
+    for name in SUBCOMMANDS:
+        assert re.search(rf"^\s+{re.escape(name)}\s", result.stdout, re.M), f"{name} missing from --help"
