@@ -424,12 +424,44 @@ class TransformerXLRelative(nn.Module):
 
     def __init__(self, config: RelPosConfig):
         super().__init__()
+        self.hidden_size = config.hidden_size
         self.r_net = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
+        self._projected = None  # inference only: (key, lowest distance, W_{k,R} R_d for a range of d)
 
-    def forward(self, term):
-        return self.r_net(term), self.r_w_bias, self.r_r_bias
+    def forward(self, distances: "RelativeDistances", dtype):
+        """``W_{k,R} R_d`` for each distance (``[R, hidden]``), ``u`` and ``v``.
+
+        In inference the projections of a range of distances are kept and reused, so that a decoding
+        step indexes them instead of projecting ``K`` sinusoids again (an ``O(K·hidden²)`` matmul per
+        layer and token). The range doubles when exceeded; any change of ``W_{k,R}`` (its version
+        counter) rebuilds it.
+        """
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            r = self.r_net(sinusoidal_embedding(distances.values, self.hidden_size).to(dtype))
+            return r, self.r_w_bias, self.r_r_bias
+        device = distances.values.device
+        # Every parameter of r_net (adapters included) by storage and version: any update rebuilds the cache.
+        key = (tuple((p.data_ptr(), p._version, p.device) for p in self.r_net.parameters()), device, dtype)
+        cached = self._projected
+        if cached is None or cached[0] != key or distances.low < cached[1] or distances.high >= cached[1] + len(cached[2]):
+            low, high = distances.low, distances.high
+            if cached is not None and cached[0] == key:
+                low, high = min(low, cached[1]), max(high, 2 * (cached[1] + len(cached[2])))
+            span = torch.arange(low, high + 1, device=device)
+            cached = (key, low, self.r_net(sinusoidal_embedding(span, self.hidden_size).to(dtype)))
+            self._projected = cached
+        return cached[2][distances.values - cached[1]], self.r_w_bias, self.r_r_bias
+
+
+@dataclass
+class RelativeDistances:
+    """Transformer-XL's distances ``K-1, K-2, ...`` (clamped), with their range known without a sync."""
+
+    values: torch.Tensor
+    low: int
+    high: int
 
 
 class TransformerXLScheme(PositionScheme):
@@ -439,7 +471,6 @@ class TransformerXLScheme(PositionScheme):
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
-        self.hidden_size = config.hidden_size
         self.clamp_len = config.clamp_len
 
     @staticmethod
@@ -448,14 +479,17 @@ class TransformerXLScheme(PositionScheme):
 
     def forward(self, ctx, device, dtype):
         length = ctx.key_length if ctx.causal else ctx.key_length + ctx.query_length - 1
-        distances = torch.arange(ctx.key_length - 1, ctx.key_length - 1 - length, -1, device=device)
+        high, low = ctx.key_length - 1, ctx.key_length - length
+        values = torch.arange(high, low - 1, -1, device=device)
         if self.clamp_len > 0:
-            distances = distances.clamp(-self.clamp_len, self.clamp_len)
-        return sinusoidal_embedding(distances, self.hidden_size).to(dtype)
+            values = values.clamp(-self.clamp_len, self.clamp_len)
+            high, low = min(high, self.clamp_len), max(low, -self.clamp_len)
+        return RelativeDistances(values, low, high), dtype
 
     def attend(self, attn, query, key, value, term, ctx):
-        r, u, w = attn.relative(term)
-        r = r.view(term.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
+        distances, dtype = term
+        r, u, w = attn.relative(distances, dtype)
+        r = r.view(r.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
         out = transformer_xl_attention(
             query,
             key,

@@ -569,9 +569,16 @@ def test_per_layer_schemes_see_new_rows_only(monkeypatch, position_encoding):
         if position_encoding == "shaw":
             assert call["kwargs"]["past_length"] == P
     if position_encoding == "transformer_xl":
-        # R is built once per forward and shared by the layers
-        assert len(emb_calls) == 1
-        assert emb_calls[0]["shape"][0] == P + 2
+        # In inference each layer keeps W_{k,R} R_d for a range of distances that doubles when exceeded:
+        # 16 more decoding steps build sinusoids at most once more per layer, never once per token.
+        emb_calls.clear()
+        with torch.no_grad():
+            token = ids[:, -1:]
+            for _ in range(16):
+                out = model(token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+        assert len(emb_calls) <= model.config.num_hidden_layers
+        assert all(call["shape"][0] <= 2 * (P + 2 + 16) for call in emb_calls)
 
 
 # ---------------------------------------------------------------------------
