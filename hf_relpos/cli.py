@@ -59,7 +59,7 @@ def load_corpus(train_files):
 
     if train_files:
         return read_text_files(train_files), "user files: " + ", ".join(str(f) for f in train_files)
-    return embedded_corpus(), "Python's bundled documentation (pydoc_data.topics), topics split 80/10/10"
+    return embedded_corpus(), "Python's bundled documentation (pydoc_data.topics), split 85/5/10 within each topic"
 
 
 def train(args) -> dict:

@@ -2,7 +2,7 @@
 
 The default corpus is real English that ships with Python itself: the documentation topics of
 ``pydoc_data.topics`` (79 topics, about 455 KiB), read at run time, never downloaded. Topics are
-split whole into train / validation / test so that held-out text is unseen prose.
+split within each topic into train / validation / test (85 / 5 / 10 %).
 """
 
 from __future__ import annotations
@@ -16,16 +16,29 @@ from torch.utils.data import Dataset
 SPECIAL_TOKENS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2: RelPosConfig's pad/eos defaults
 
 
+def _cut(text: str, fraction: float) -> int:
+    """A cut point near ``fraction`` of ``text``, moved to the next line break so no line is split."""
+    point = int(len(text) * fraction)
+    newline = text.find("\n", point)
+    return len(text) if newline < 0 else newline + 1
+
+
 def embedded_corpus() -> dict[str, str]:
-    """Python's bundled documentation topics as train / validation / test text (every 10th topic held out)."""
+    """Python's bundled documentation topics as train / validation / test text.
+
+    Each topic gives its first 85% to train, the next 5% to validation and its last 10% to test
+    (cut at line breaks), so held-out text is unseen but of the same kinds as the training text.
+    """
     from pydoc_data.topics import topics
 
-    names = sorted(topics)
     split = {"train": [], "validation": [], "test": []}
-    for index, name in enumerate(names):
-        part = "test" if index % 10 == 3 else "validation" if index % 10 == 7 else "train"
-        split[part].append(topics[name])
-    return {part: "\n\n".join(texts) for part, texts in split.items()}
+    for name in sorted(topics):
+        text = topics[name]
+        a, b = _cut(text, 0.85), _cut(text, 0.90)
+        split["train"].append(text[:a])
+        split["validation"].append(text[a:b])
+        split["test"].append(text[b:])
+    return {part: "\n\n".join(t for t in texts if t.strip()) for part, texts in split.items()}
 
 
 def read_text_files(paths: Sequence[str | Path]) -> dict[str, str]:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "attention_with_bias",
     "t5_relative_position_bucket",
     "t5_position_bias",
     "shaw_attention",
@@ -150,6 +151,94 @@ def _relative_distance(query_length: int, key_length: int, past_length: int, dev
     i = torch.arange(query_length, device=device)[:, None] + past_length
     j = torch.arange(key_length, device=device)[None, :]
     return j - i
+
+
+# ----------------------------------------------------------------------------------
+# Attention with a learned additive bias: fused forward, chunked backward
+# ----------------------------------------------------------------------------------
+
+
+class _AttentionWithBias(torch.autograd.Function):
+    """``softmax(q k^T · scale + bias) v`` whose backward also returns the bias gradient.
+
+    PyTorch's CPU SDPA leaves its fused kernel for the math path (which keeps the whole
+    ``[B, H, Q, K]`` probability tensor for backward) as soon as the mask needs a gradient. Here the
+    forward runs the fused kernel with the bias as a constant and keeps only its output; the
+    backward recomputes the probabilities a chunk of whole query rows at a time and applies the softmax gradient ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))`` (as FlashAttention does).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, chunk_size):
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias.detach(), scale=scale
+        )
+        ctx.save_for_backward(q, k, v, bias, out)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, bias, out = ctx.saved_tensors
+        scale, chunk = ctx.scale, ctx.chunk_size
+        work = torch.promote_types(q.dtype, torch.float32)
+        qs, kf, vf, gf = (q.to(work) * scale), k.to(work), v.to(work), grad_out.to(work)
+        delta = (gf * out.to(work)).sum(-1, keepdim=True)
+        has_neg_inf = bool(torch.isneginf(bias).any())
+        dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
+        dbias = torch.empty(bias.shape, dtype=work, device=bias.device) if ctx.needs_input_grad[3] else None
+        for start in range(0, q.shape[2], chunk):
+            rows = slice(start, start + chunk)
+            # A chunk holds whole rows, so the softmax is recomputed exactly, max-subtracted.
+            scores = qs[:, :, rows] @ kf.transpose(-1, -2)
+            scores += bias[:, :, rows].to(work)
+            probs = torch.softmax(scores, dim=-1)
+            if has_neg_inf:  # a row with every key at -inf: zeros, as the forward kernel gives
+                probs = probs.nan_to_num_(0.0)
+            del scores
+            g = gf[:, :, rows]
+            dv += probs.transpose(-1, -2) @ g
+            dscores = g @ vf.transpose(-1, -2)
+            dscores.sub_(delta[:, :, rows]).mul_(probs)  # the softmax gradient dS = P ⊙ (dP - rowsum(dO ⊙ O))
+            del probs
+            dq[:, :, rows] = dscores @ kf
+            dk += dscores.transpose(-1, -2) @ qs[:, :, rows]
+            if dbias is not None:
+                for dim in (0, 1):  # a bias broadcast over batch or heads gets the summed gradient
+                    if bias.shape[dim] == 1 and dscores.shape[dim] != 1:
+                        dscores = dscores.sum(dim, keepdim=True)
+                dbias[:, :, rows] = dscores
+        dq *= scale
+        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+        return cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None
+
+
+def attention_with_bias(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """``softmax(q k^T · scale + bias) v`` -> ``[B, H, Q, D]`` for a bias that is trained (e.g. T5's).
+
+    ``bias`` is an additive float tensor ``[B|1, H|1, Q, K]``. On CPU the forward runs SDPA's fused
+    kernel and the backward recomputes the probabilities in chunks of ``chunk_size`` query rows, so
+    no ``[B, H, Q, K]`` probability tensor is kept between forward and backward (extra backward memory
+    O(B·H·chunk_size·K) besides the bias gradient). Elsewhere it is plain SDPA.
+    """
+    _check_qkv(q, k, v)
+    B, H, Q, D = q.shape
+    K = k.shape[2]
+    _check_tensor("bias", bias, 4, "[batch|1, heads|1, q_len, k_len]")
+    if bias.shape[2:] != (Q, K) or bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H):
+        raise ValueError(f"bias must broadcast as [batch|1, heads|1, {Q}, {K}], got {tuple(bias.shape)}")
+    chunk_size = _check_int("chunk_size", chunk_size, 1)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if q.device.type != "cpu" or not torch.is_grad_enabled():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
+    return _AttentionWithBias.apply(q, k, v, bias.to(q.dtype).contiguous(), scale, chunk_size)
 
 
 # ----------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from .configuration_relpos import RelPosConfig
 from .functional import (
     alibi_bias,
     alibi_slopes,
+    attention_with_bias,
     log_decay_bias,
     shaw_attention,
     sinusoidal_embedding,
@@ -119,19 +120,19 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ):
-    """Plain attention in float32; a query row with no key left gives zeros, as SDPA does."""
-    scores = torch.matmul(query, key.transpose(2, 3)).float() * scaling
-    keep = None
+    """Plain attention in (at least) float32; a query row with no key left gives zeros, as SDPA does."""
+    work = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.matmul(query, key.transpose(2, 3)).to(work) * scaling
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             keep = attention_mask
-            scores = scores.masked_fill(~attention_mask, torch.finfo(torch.float32).min)
         else:
             keep = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-            scores = scores + attention_mask.float()
+            scores = scores + attention_mask.to(work).masked_fill(~keep, 0.0)
+        scores = scores.masked_fill(~keep, torch.finfo(work).min)
     weights = F.softmax(scores, dim=-1)
-    if keep is not None:
-        weights = weights * keep.any(dim=-1, keepdim=True)
+    if attention_mask is not None:
+        weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
     weights = weights.to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
@@ -253,12 +254,28 @@ class AdditiveBiasScheme(PositionScheme):
     def bias(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
+    def forward(self, ctx: PositionContext, device, dtype):
+        """The bias merged with the mask, and ``[B, 1, Q, 1]`` rows that have a key left (None: all)."""
         bias = self.bias(ctx, device, dtype).to(dtype)
         mask = ctx.full_mask(device)
         if mask is None:
-            return bias
-        return torch.where(mask, bias, torch.finfo(dtype).min)
+            return bias, None
+        alive = mask.any(dim=-1, keepdim=True)
+        return torch.where(mask, bias, torch.finfo(dtype).min), (None if bool(alive.all()) else alive)
+
+    def attend(self, attn, query, key, value, term, ctx):
+        bias, alive = term
+        dropout = attn.attention_dropout if attn.training else 0.0
+        if ctx.attn_implementation == "sdpa" and bias.requires_grad and dropout == 0.0 and query.is_cpu:
+            # A trained bias (T5's) would push CPU SDPA onto its slow math path: keep the fused kernel.
+            out = attention_with_bias(query, key, value, bias, scale=attn.scaling).transpose(1, 2)
+        else:
+            out = super().attend(attn, query, key, value, bias, ctx)
+        if alive is not None:
+            # A query with no key left (padding) gives zeros under every kernel, as in plain SDPA: the
+            # finfo.min entries of the merged bias would otherwise average the masked values.
+            out = out * alive.transpose(1, 2)
+        return out
 
 
 class T5BiasScheme(AdditiveBiasScheme):
@@ -301,12 +318,11 @@ class LogDecayScheme(AdditiveBiasScheme):
 class AlibiScheme(AdditiveBiasScheme):
     """Press et al. 2022: ``-m_h·|i - j|`` with fixed geometric head slopes."""
 
-    def __init__(self, config: RelPosConfig):
-        super().__init__(config)
-        self.slopes = nn.Buffer(alibi_slopes(config.num_attention_heads, dtype=torch.float32), persistent=False)
-
+    # Fixed tables are computed on the fly in float32 rather than kept as buffers, which `.to(bf16)`
+    # would round (and `from_pretrained` would rebuild in float32: a model that changes when reloaded).
     def bias(self, ctx, device, dtype):
-        return alibi_bias(self.slopes.to(device), ctx.query_length, ctx.key_length, past_length=ctx.past_length)
+        slopes = alibi_slopes(self.num_heads, device=device, dtype=torch.float32)
+        return alibi_bias(slopes, ctx.query_length, ctx.key_length, past_length=ctx.past_length)
 
 
 class RopeScheme(PositionScheme):
@@ -314,12 +330,11 @@ class RopeScheme(PositionScheme):
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.theta = config.rope_theta
 
     def forward(self, ctx, device, dtype):
-        freqs = ctx.position_ids[..., None].float() * self.inv_freq.to(device)[None, None, :]
+        exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
+        freqs = ctx.position_ids[..., None].float() * (1.0 / self.theta**exponents)[None, None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B|1, Q, D]
         return super().forward(ctx, device, dtype), emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -344,23 +359,18 @@ class AbsoluteScheme(PositionScheme):
         super().__init__(config)
         self.max_positions = config.max_position_embeddings
 
-    def table(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def embed(self, inputs_embeds, ctx):
-        return inputs_embeds + F.embedding(ctx.position_ids, self.table()).to(inputs_embeds.dtype)
-
 
 class SinusoidalScheme(AbsoluteScheme):
     """Vaswani et al. 2017's fixed sinusoidal absolute positions."""
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        self.sinusoid = nn.Buffer(sinusoidal_embedding(positions, config.hidden_size), persistent=False)
+        self.hidden_size = config.hidden_size
 
-    def table(self):
-        return self.sinusoid
+    def embed(self, inputs_embeds, ctx):
+        positions = ctx.position_ids.flatten().float()
+        table = sinusoidal_embedding(positions, self.hidden_size).view(*ctx.position_ids.shape, -1)
+        return inputs_embeds + table.to(inputs_embeds.dtype)
 
 
 class LearnedScheme(AbsoluteScheme):
@@ -631,15 +641,6 @@ class RelPosPreTrainedModel(PreTrainedModel):
         elif isinstance(module, TransformerXLRelative):
             init.normal_(module.r_w_bias, mean=0.0, std=std)
             init.normal_(module.r_r_bias, mean=0.0, std=std)
-        elif isinstance(module, AlibiScheme):
-            init.copy_(module.slopes, alibi_slopes(self.config.num_attention_heads, dtype=torch.float32))
-        elif isinstance(module, RopeScheme):
-            dim = self.config.head_dim
-            inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-            init.copy_(module.inv_freq, inv)
-        elif isinstance(module, SinusoidalScheme):
-            positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-            init.copy_(module.sinusoid, sinusoidal_embedding(positions, self.config.hidden_size))
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code)."""

@@ -307,10 +307,10 @@ def test_eval_transformer_xl_reports_memory(txl_folder, capsys):
     assert cli.main(["eval", str(txl_folder), "--factors", "1", "--eval-tokens", str(eval_tokens)]) == 0
     values = parse_eval(capsys.readouterr().out)
     run = read_run(txl_folder)
-    assert values == {
-        f"ppl@{seq_len}": f"{run['test_ppl']:.2f}",
-        f"ppl@{seq_len}+memory{seq_len}": f"{run['test_ppl_with_memory']:.2f}",
-    }
+    # Printed with 2 decimals; float32 reductions in a reloaded model may move the last digit.
+    assert set(values) == {f"ppl@{seq_len}", f"ppl@{seq_len}+memory{seq_len}"}
+    assert float(values[f"ppl@{seq_len}"]) == pytest.approx(run["test_ppl"], abs=0.011)
+    assert float(values[f"ppl@{seq_len}+memory{seq_len}"]) == pytest.approx(run["test_ppl_with_memory"], abs=0.011)
 
 
 def test_eval_rejects_non_positive_factors(t5_folder, capsys):
