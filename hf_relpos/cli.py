@@ -109,6 +109,8 @@ def train(args) -> dict:
         seed=args.seed,
         dataloader_pin_memory=False,
         disable_tqdm=args.quiet,
+        # Under torchrun, Transformer-XL's ordered batches are split by rows so each rank keeps its rows.
+        accelerator_config={"split_batches": True} if with_memory and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
     trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set)
     started = time.time()

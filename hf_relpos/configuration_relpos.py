@@ -171,6 +171,17 @@ class RelPosConfig(PreTrainedConfig):
                     f"RelPosConfig.{name} must be None or an int in [0, vocab_size={self.vocab_size}), got {value!r}"
                 )
 
+        eos = self.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        if eos is not None and (
+            not eos_ids
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size for i in eos_ids)
+        ):
+            raise ValueError(
+                f"RelPosConfig.eos_token_id must be None, an int or a list of ints in [0, vocab_size={self.vocab_size}), "
+                f"got {eos!r}"
+            )
+
     def validate_architecture(self):
         """Called by Transformers' strict validation (e.g. on save): re-check every field."""
         self._validate_fields()

@@ -131,6 +131,8 @@ def _masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> torch
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     if mask is not None:
         scores = scores + mask
+    if scores.shape[-1] == 0:  # no keys at all: every row is "fully masked"
+        return scores
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(scores - row_max)
@@ -236,6 +238,8 @@ def attention_with_bias(
         raise ValueError(f"bias must broadcast as [batch|1, heads|1, {Q}, {K}], got {tuple(bias.shape)}")
     chunk_size = _check_int("chunk_size", chunk_size, 1)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if Q == 0 or K == 0:  # nothing to attend (and the fused CPU kernel crashes on empty inputs)
+        return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * bias.sum()
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
     return _AttentionWithBias.apply(q, k, v, bias.to(q.dtype).contiguous(), scale, chunk_size)
@@ -246,15 +250,15 @@ def attention_with_bias(
 # ----------------------------------------------------------------------------------
 
 
-def _check_t5_buckets(bidirectional: bool, num_buckets, max_distance) -> None:
-    _check_int("num_buckets", num_buckets, 0)
+def _check_t5_buckets(bidirectional: bool, num_buckets, max_distance, buckets_name: str = "num_buckets") -> None:
+    _check_int(buckets_name, num_buckets, 0)
     _check_int("max_distance", max_distance, 0)
     one_side = num_buckets // 2 if bidirectional else num_buckets
     max_exact = one_side // 2
     if max_exact < 1:
         need = 4 if bidirectional else 2
         raise ValueError(
-            f"num_buckets must be >= {need} when bidirectional={bidirectional} (so that each direction has an "
+            f"{buckets_name} must be >= {need} when bidirectional={bidirectional} (so that each direction has an "
             f"exact bucket), got {num_buckets}"
         )
     if max_distance <= max_exact:
@@ -322,6 +326,7 @@ def t5_position_bias(
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
     past_length = _check_int("past_length", past_length)
+    _check_t5_buckets(bidirectional, weight.shape[0], max_distance, buckets_name="weight.shape[0] (num_buckets)")
     relative_position = _relative_distance(query_length, key_length, past_length, weight.device)
     buckets = t5_relative_position_bucket(
         relative_position, bidirectional=bidirectional, num_buckets=weight.shape[0], max_distance=max_distance
@@ -462,6 +467,8 @@ def transformer_xl_attention(
             raise ValueError(f"{name} must have shape [heads, head_dim] = [{H}, {D}], got {tuple(bias.shape)}")
     _check_mask(attention_mask, (B, H, Q, K))
 
+    if Q == 0:
+        return q.new_zeros(B, H, 0, v.shape[-1])
     M = K - Q
     content = (q + u[:, None, :].to(q.dtype)) @ k.transpose(-1, -2)  # terms (a) + (c)
     position = (q + w[:, None, :].to(q.dtype)) @ r.to(q.dtype).transpose(-1, -2)  # terms (b) + (d), [B,H,Q,R]
@@ -515,6 +522,8 @@ def log_decay_bias(
     past_length = _check_int("past_length", past_length)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
         raise ValueError(f"scale must be a finite number >= 0, got {scale!r}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
     distance = _relative_distance(query_length, key_length, past_length, device).abs()
     dtype = dtype or torch.get_default_dtype()
     compute = torch.float64 if dtype == torch.float64 else torch.float32
@@ -531,6 +540,8 @@ def alibi_slopes(
     the largest power of two ``c < n`` and append every other slope of the ``2c`` sequence.
     """
     num_heads = _check_int("num_heads", num_heads, 1)
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
 
     def power_of_two(n: int) -> list:
         start = 2.0 ** (-8.0 / n)

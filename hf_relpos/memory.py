@@ -20,7 +20,9 @@ from torch.utils.data import Dataset, SequentialSampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-MEMS_FILE = "mems.safetensors"
+def mems_file(rank: int = 0) -> str:
+    """The checkpoint file that holds process ``rank``'s memory (each DDP rank carries its own)."""
+    return f"mems-rank{rank}.safetensors"
 
 
 class OrderedSegments(Dataset):
@@ -74,13 +76,31 @@ class _ResetMemoryAtEpoch(TrainerCallback):
 class MemoryTrainer(Trainer):
     """``Trainer`` for Transformer-XL with memory: ordered batches, ``mems`` carried across steps.
 
-    Use it with ``OrderedSegments`` datasets and ``per_device_train_batch_size`` equal to the dataset's
-    ``batch_size``. Memory is reset at each epoch start and at the start of each evaluation, and saved
-    to ``mems.safetensors`` in each checkpoint.
+    Use it with ``OrderedSegments`` datasets whose ``batch_size`` is ``per_device_train_batch_size``
+    (``per_device_eval_batch_size`` for evaluation). Memory is reset at each epoch start and at the start
+    of each evaluation, and saved per process (``mems-rank{r}.safetensors``) in each checkpoint.
+
+    Under DDP, set ``TrainingArguments(accelerator_config={"split_batches": True})``: each loader batch
+    (one segment of every row) is then split by rows over the processes, so that every rank reads the
+    next segment of the same rows at every step. accelerate's default hands whole batches out round-robin instead, and a
+    rank's memory would come from another segment.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.args.world_size > 1 and not self.args.accelerator_config.split_batches:
+            raise ValueError(
+                "MemoryTrainer under distributed training needs TrainingArguments(accelerator_config="
+                '{"split_batches": True}) so that each rank continues its own rows; got split_batches=False'
+            )
+        world = max(1, self.args.world_size)
+        for name, dataset in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
+            loader_batch = self.args.per_device_train_batch_size if name == "train_dataset" else self.args.per_device_eval_batch_size
+            if isinstance(dataset, OrderedSegments) and (dataset.batch_size != loader_batch or loader_batch % world):
+                raise ValueError(
+                    f"{name}.batch_size must equal the loader's batch (per_device_{name.split('_')[0]}_batch_size="
+                    f"{loader_batch}, split by rows over {world} processes, so divisible by {world}), got {dataset.batch_size}"
+                )
         self.train_mems: Optional[list] = None
         self.eval_mems: Optional[list] = None
         self._keep_resumed_mems = False
@@ -123,17 +143,18 @@ class MemoryTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.train_mems is not None and self.args.should_save:
+        if self.train_mems is not None:  # every rank saves its own memory
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
             tensors = {f"layer_{i}": m.detach().contiguous().cpu() for i, m in enumerate(self.train_mems)}
-            save_file(tensors, os.path.join(folder, MEMS_FILE))
+            save_file(tensors, os.path.join(folder, mems_file(self.args.process_index)))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         path = resume_from_checkpoint
         if path is True:
             path = get_last_checkpoint(self.args.output_dir)
-        if isinstance(path, str) and os.path.isfile(os.path.join(path, MEMS_FILE)):
-            tensors = load_file(os.path.join(path, MEMS_FILE))
+        if isinstance(path, str) and os.path.isfile(os.path.join(path, mems_file(self.args.process_index))):
+            tensors = load_file(os.path.join(path, mems_file(self.args.process_index)))
             device = self.args.device
             self.train_mems = [tensors[f"layer_{i}"].to(device) for i in range(len(tensors))]
             self._keep_resumed_mems = True
@@ -187,4 +208,4 @@ def segment_perplexity(
     return math.exp(total_nll / count)
 
 
-__all__ = ["OrderedSegments", "MemoryTrainer", "segment_perplexity", "MEMS_FILE"]
+__all__ = ["OrderedSegments", "MemoryTrainer", "segment_perplexity", "mems_file"]

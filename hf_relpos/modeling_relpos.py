@@ -700,12 +700,17 @@ class RelPosModel(RelPosPreTrainedModel):
                     )
             batch, length = input_ids.shape
         else:
+            if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+                raise ValueError("inputs_embeds must be a floating-point tensor [batch, seq_len, hidden_size]")
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
                 raise ValueError(
                     f"inputs_embeds must be [batch, seq_len, hidden_size={config.hidden_size}], "
                     f"got shape {tuple(inputs_embeds.shape)}"
                 )
             batch, length = inputs_embeds.shape[:2]
+        if batch == 0 or length == 0:
+            what = "input_ids" if input_ids is not None else "inputs_embeds"
+            raise ValueError(f"{what} must hold at least one sequence of at least one token, got batch={batch}, seq_len={length}")
 
         past = 0
         if past_key_values is not None:
@@ -749,8 +754,12 @@ class RelPosModel(RelPosPreTrainedModel):
             if not isinstance(mems, (list, tuple)) or len(mems) != config.num_hidden_layers:
                 got = len(mems) if isinstance(mems, (list, tuple)) else type(mems).__name__
                 raise ValueError(f"mems must be a list of num_hidden_layers={config.num_hidden_layers} tensors, got {got}")
-            mem_length = mems[0].shape[1] if mems[0].dim() == 3 else -1
+            first = mems[0]
+            mem_length = first.shape[1] if isinstance(first, torch.Tensor) and first.dim() == 3 else -1
+            dtype = self.embed_tokens.weight.dtype
             for layer_idx, mem in enumerate(mems):
+                if isinstance(mem, torch.Tensor) and mem.dtype != dtype:
+                    raise ValueError(f"mems[{layer_idx}] must have the model's dtype {dtype}, got {mem.dtype}")
                 if (
                     not isinstance(mem, torch.Tensor)
                     or mem.dim() != 3

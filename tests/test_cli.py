@@ -189,7 +189,7 @@ def test_train_resume_continues_from_last_checkpoint(scheme, seq_len, tmp_path, 
     assert state["global_step"] == 8 and state["max_steps"] == 8
     if scheme == "transformer_xl":  # the memory saved with checkpoint-4 is carried into step 5
         assert mems_at_first_step == [True]
-        assert (checkpoints / "checkpoint-8" / "mems.safetensors").is_file()
+        assert (checkpoints / "checkpoint-8" / "mems-rank0.safetensors").is_file()
 
 
 # ---------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_relpos import RelPosConfig, RelPosForCausalLM
-from hf_relpos.memory import MEMS_FILE, MemoryTrainer, OrderedSegments, segment_perplexity
+from hf_relpos.memory import MemoryTrainer, OrderedSegments, mems_file, segment_perplexity
 
 SEG = 8
 
@@ -192,7 +192,7 @@ def test_checkpoint_resume_restores_memory(tmp_path):
 
     interrupted = make(tmp_path / "resumed", 3)
     interrupted.train()
-    assert (tmp_path / "resumed" / "checkpoint-3" / MEMS_FILE).is_file()
+    assert (tmp_path / "resumed" / "checkpoint-3" / mems_file(0)).is_file()
     resumed = make(tmp_path / "resumed", 6)
     resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-3"))
 
