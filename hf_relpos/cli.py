@@ -311,23 +311,22 @@ def validate_t5(args) -> int:
 
 def compare(args) -> dict:
     from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
 
     from .data import encode
     from .modeling_relpos import RelPosForCausalLM
 
-    out = Path(args.output_dir)
+    out, models = Path(args.output_dir), Path(args.models_dir)
     out.mkdir(parents=True, exist_ok=True)
     schemes = args.schemes or list(POSITION_ENCODINGS)
     factors = (1, 2, 4)
     rows = []
     for scheme in tqdm(schemes, desc="schemes"):
-        run_args = argparse.Namespace(**{**vars(args), "position_encoding": scheme, "output_dir": str(out / scheme),
+        run_args = argparse.Namespace(**{**vars(args), "position_encoding": scheme, "output_dir": str(models / scheme),
                                          "quiet": True, "resume": None, "mem_len": args.mem_len})
         summary = train(run_args)
-        model = RelPosForCausalLM.from_pretrained(out / scheme).eval()
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(out / scheme)
+        model = RelPosForCausalLM.from_pretrained(models / scheme).eval()
+        tokenizer = AutoTokenizer.from_pretrained(models / scheme)
         corpus, _ = load_corpus(args.train_file)
         stream = encode(tokenizer, corpus["test"])
         ppl = evaluate_lengths(model, stream, [args.seq_len * f for f in factors], args.eval_tokens)
@@ -454,7 +453,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("validate-t5", help="check T5 buckets and bias against the installed Transformers")
 
     p = sub.add_parser("compare", help="the length-extrapolation experiment over every scheme")
-    p.add_argument("--output-dir", default="results/compare")
+    p.add_argument("--output-dir", default="results/compare", help="where the table (md, json) and plot go")
+    p.add_argument("--models-dir", default="runs/compare", help="where the trained model folders go")
     p.add_argument("--schemes", nargs="+", choices=POSITION_ENCODINGS, default=None)
     p.add_argument("--quick", action="store_true", help="a few-minute run (fewer steps, shorter L)")
     _add_training_arguments(p, steps=500, seq_len=128)

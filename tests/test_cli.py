@@ -361,12 +361,14 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     out = tmp_path / "compare"
     schemes = ["t5_bias", "learned", "alibi"]
     seq_len, steps = 16, 3
-    argv = ["compare", "--quick", "--schemes", *schemes, "--output-dir", str(out), "--steps", str(steps),
+    models = tmp_path / "models"
+    argv = ["compare", "--quick", "--schemes", *schemes, "--output-dir", str(out), "--models-dir", str(models), "--steps", str(steps),
             "--seq-len", str(seq_len), "--batch-size", "4", "--vocab-size", "300"]  # fmt: skip
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
 
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.iterdir()) == ["compare.json", "compare.md", "compare.png"]  # models elsewhere
     data = json.loads((out / "compare.json").read_text())
     table = (out / "compare.md").read_text()
     assert table in printed
@@ -391,7 +393,7 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
         assert cells == [row["scheme"], f"{row['position_params']:,}", cell(row["ppl_1x"]), cell(row["ppl_2x"]),
                          cell(row["ppl_4x"])]  # fmt: skip
         # the L column is the held-out perplexity train measured on the same tokens
-        run = read_run(out / row["scheme"])
+        run = read_run(models / row["scheme"])
         assert run["position_parameters"] == row["position_params"]
         assert row["ppl_1x"] == pytest.approx(run["test_ppl"], rel=1e-9)
         assert math.isfinite(row["ppl_1x"])
