@@ -239,7 +239,7 @@ def attention_with_bias(
     chunk_size = _check_int("chunk_size", chunk_size, 1)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if Q == 0 or K == 0:  # nothing to attend (and the fused CPU kernel crashes on empty inputs)
-        return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * bias.sum()
+        return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * (q.sum() + k.sum() + v.sum() + bias.sum())
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
     return _AttentionWithBias.apply(q, k, v, bias.to(q.dtype).contiguous(), scale, chunk_size)

@@ -366,11 +366,14 @@ class SinusoidalScheme(AbsoluteScheme):
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.hidden_size = config.hidden_size
+        self.scale = config.initializer_range
 
     def embed(self, inputs_embeds, ctx):
         positions = ctx.position_ids.flatten().float()
         table = sinusoidal_embedding(positions, self.hidden_size).view(*ctx.position_ids.shape, -1)
-        return inputs_embeds + table.to(inputs_embeds.dtype)
+        # Unit-size sinusoids (half of them ~cos(0) = 1) would drown token embeddings initialised at
+        # std initializer_range; at the same scale as the tokens, as a learned table starts, they do not.
+        return inputs_embeds + (table * self.scale).to(inputs_embeds.dtype)
 
 
 class LearnedScheme(AbsoluteScheme):

@@ -331,7 +331,8 @@ def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor)
     body = model
     h = body.embed_tokens.weight.to(dd)[ids]
     if pe == "sinusoidal":
-        h = h + hf_relpos.functional.sinusoidal_embedding(torch.arange(L, dtype=dd), config.hidden_size)
+        # fixed sinusoids at the token embeddings' scale (initializer_range), as a learned table starts
+        h = h + config.initializer_range * hf_relpos.functional.sinusoidal_embedding(torch.arange(L, dtype=dd), config.hidden_size)
     elif pe == "learned":
         h = h + body.position.position_embeddings.weight.to(dd)[:L]
     for layer in body.layers:
