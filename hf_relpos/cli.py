@@ -90,6 +90,7 @@ def train(args) -> dict:
         eval_set = Chunks(streams["validation"], args.seq_len, limit=64)
         trainer_class = Trainer
     eval_steps = max(1, args.steps // 4)
+    distributed_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
     training_args = TrainingArguments(
         output_dir=str(out.parent / f"{out.name}-checkpoints"),  # keeps the model folder Hub-ready
         max_steps=args.steps,
@@ -111,11 +112,16 @@ def train(args) -> dict:
         disable_tqdm=args.quiet,
         # Under torchrun, Transformer-XL's ordered batches are split by rows so each rank keeps its rows.
         accelerator_config={"split_batches": True} if with_memory and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        # torchrun on CPU-only machines: DDP over gloo (Transformers would otherwise run each rank alone).
+        use_cpu=distributed_cpu,
+        ddp_backend="gloo" if distributed_cpu else None,
     )
     trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set)
     started = time.time()
     trainer.train(resume_from_checkpoint=args.resume)
     seconds = time.time() - started
+    if not trainer.is_world_process_zero():  # under torchrun, rank 0 alone writes the folder
+        return {}
 
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=64
@@ -132,6 +138,7 @@ def train(args) -> dict:
         "mem_len": config.mem_len,
         "steps": args.steps,
         "batch_size": args.batch_size,
+        "processes": training_args.world_size,
         "learning_rate": args.learning_rate,
         "seed": args.seed,
         "corpus": corpus_name,

@@ -296,3 +296,26 @@ def test_memory_trainer_resume_restores_every_ranks_memory(ddp):
         f"resumed DDP run differs from the straight run (max |param diff|, max |mems diff| per rank): {diffs}; "
         f"control run with each rank's own memory injected: {controls}"
     )
+
+
+@pytest.mark.parametrize("scheme", ["t5_bias", "transformer_xl"])
+def test_hf_relpos_train_under_torchrun(tmp_path, scheme):
+    """The CLI itself under torchrun (2 processes, gloo): both ranks train, rank 0 alone writes the folder."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    out = tmp_path / "model"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), "-m", "hf_relpos.cli", "train", "--position-encoding", scheme, "--steps", "4",
+        "--seq-len", "32", "--batch-size", "4", "--vocab-size", "300", "--eval-tokens", "300", "--output-dir", str(out),
+    ]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert log.count("Saved to") == 1, "exactly one rank must write the model folder"
+    run = json.loads((out / "hf_relpos_run.json").read_text())
+    assert run["processes"] == 2, "the ranks trained alone instead of as one DDP job"
+    assert run["steps"] == 4 and math.isfinite(run["test_ppl"])
+    assert (out / "model.safetensors").is_file() and not list(out.glob("*.bin"))
