@@ -1,8 +1,8 @@
 """The embedded corpus, the tokenizer and the datasets of the command line.
 
 The default corpus is real English that ships with Python itself: the documentation topics of
-``pydoc_data.topics`` (79 topics, about 455 KiB), read at run time, never downloaded. Topics are
-split within each topic into train / validation / test (85 / 5 / 10 %).
+``pydoc_data.topics`` (79 topics, about 455 KiB), read at run time, never downloaded. Each topic
+is split into train / validation / test (85 / 5 / 10 %).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ class PositionScheme(nn.Module):
 
     - ``embed``: what it adds to the token embeddings (absolute baselines);
     - ``forward``: the per-forward term, computed once for the new query rows against all keys and
-      handed to every layer (a bias merged into the mask, RoPE's cos/sin, Transformer-XL's ``R``);
+      handed to every layer (a bias merged into the mask, RoPE's cos/sin, Transformer-XL's distances);
     - ``rotate``: what it does to queries and keys before the cache (RoPE);
     - ``attend``: the attention call; the default runs Transformers' attention interface with the
       term as the mask, so an additive bias rides in SDPA's fused kernel.
