@@ -321,6 +321,7 @@ def compare(args) -> dict:
     from transformers import AutoTokenizer
 
     from .data import encode
+    from .memory import segment_perplexity
     from .modeling_relpos import RelPosForCausalLM
 
     out, models = Path(args.output_dir), Path(args.models_dir)
@@ -339,8 +340,8 @@ def compare(args) -> dict:
         ppl = evaluate_lengths(model, stream, [args.seq_len * f for f in factors], args.eval_tokens)
         row = {"scheme": scheme, "position_params": summary["position_parameters"],
                **{f"ppl_{f}x": ppl[args.seq_len * f] for f in factors}}
-        if "test_ppl_with_memory" in summary:
-            row["ppl_1x_with_memory"] = summary["test_ppl_with_memory"]
+        if model.config.mem_len > 0:
+            row["ppl_1x_with_memory"] = segment_perplexity(model, stream, args.seq_len, max_tokens=args.eval_tokens)
         rows.append(row)
         tqdm.write(f"{scheme:>15}: " + "  ".join(f"{f}x {row[f'ppl_{f}x']:.2f}" for f in factors))
     meta = {

@@ -443,15 +443,21 @@ class TransformerXLRelative(nn.Module):
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self._projected = None  # inference only: (key, lowest distance, W_{k,R} R_d for a range of d)
 
+    def train(self, mode: bool = True):
+        self._projected = None
+        return super().train(mode)
+
     def forward(self, distances: "RelativeDistances", dtype):
         """``W_{k,R} R_d`` for each distance (``[R, hidden]``), ``u`` and ``v``.
 
         In inference the projections of a range of distances are kept and reused, so that a decoding
         step indexes them instead of projecting ``K`` sinusoids again (an ``O(K·hidden²)`` matmul per
-        layer and token). The range doubles when exceeded; any change of ``W_{k,R}`` (its version
-        counter) rebuilds it.
+        layer and token). The range doubles when exceeded. The kept projections are dropped by every
+        forward with gradients and every ``train()``/``eval()`` switch, and rebuilt when a parameter's
+        storage or version changes: fused optimizers update weights without bumping versions.
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            self._projected = None
             r = self.r_net(sinusoidal_embedding(distances.values, self.hidden_size).to(dtype))
             return r, self.r_w_bias, self.r_r_bias
         device = distances.values.device

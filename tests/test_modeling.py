@@ -1101,3 +1101,27 @@ def test_bfloat16_with_padding(position_encoding, impl):
     assert torch.isfinite(low).all()
     # bf16 keeps ~3 significant digits; logits here are O(5)
     assert_close_where(low.float(), reference, mask, atol=0.5, what="bf16 vs fp32")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_transformer_xl_projection_cache_follows_optimizer_steps(fused):
+    """Inference keeps W_{k,R} R_d per layer; a training step (fused AdamW does not bump parameter
+    versions) must not leave stale projections behind."""
+    torch.manual_seed(0)
+    model = build("transformer_xl")
+    ids = rand_ids(2, 8, seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+    model.eval()
+    with torch.no_grad():
+        model(ids)  # fills the cache
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        cached = model(ids).logits
+    fresh = type(model)(model.config).eval()
+    fresh.load_state_dict(model.state_dict())
+    fresh.config._attn_implementation = model.config._attn_implementation
+    with torch.no_grad():
+        torch.testing.assert_close(cached, fresh(ids).logits, rtol=0, atol=1e-6)
