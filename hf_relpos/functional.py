@@ -327,11 +327,17 @@ def t5_position_bias(
     key_length = _check_int("key_length", key_length)
     past_length = _check_int("past_length", past_length)
     _check_t5_buckets(bidirectional, weight.shape[0], max_distance, buckets_name="weight.shape[0] (num_buckets)")
-    relative_position = _relative_distance(query_length, key_length, past_length, weight.device)
+    # The bias depends on j - (past + i) only: bucket each of the Q + K - 1 distances once (the same
+    # function, so the same buckets as upstream), then spread the per-distance values over [Q, K].
+    device = weight.device
+    lowest = -(past_length + query_length - 1)
+    distances = torch.arange(lowest, key_length - past_length, device=device)
     buckets = t5_relative_position_bucket(
-        relative_position, bidirectional=bidirectional, num_buckets=weight.shape[0], max_distance=max_distance
+        distances, bidirectional=bidirectional, num_buckets=weight.shape[0], max_distance=max_distance
     )
-    return F.embedding(buckets, weight).permute(2, 0, 1).unsqueeze(0)
+    per_distance = F.embedding(buckets, weight).t()  # [H, Q + K - 1]
+    index = _relative_distance(query_length, key_length, past_length, device) - lowest
+    return per_distance[:, index].unsqueeze(0)
 
 
 # ----------------------------------------------------------------------------------
