@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import ModelOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, SequenceClassifierOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_relpos import RelPosConfig
@@ -49,34 +49,23 @@ SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 @dataclass
-class RelPosModelOutput(ModelOutput):
+class RelPosModelOutput(BaseModelOutputWithPast):
     """``BaseModelOutputWithPast`` plus Transformer-XL's ``mems``."""
 
-    last_hidden_state: Optional[torch.FloatTensor] = None
-    past_key_values: Optional[Cache] = None
-    hidden_states: Optional[tuple] = None
-    attentions: Optional[tuple] = None
     mems: Optional[list] = None
 
 
 @dataclass
-class RelPosCausalLMOutput(ModelOutput):
+class RelPosCausalLMOutput(CausalLMOutputWithPast):
     """``CausalLMOutputWithPast`` plus Transformer-XL's ``mems``."""
 
-    loss: Optional[torch.FloatTensor] = None
-    logits: Optional[torch.FloatTensor] = None
-    past_key_values: Optional[Cache] = None
-    hidden_states: Optional[tuple] = None
-    attentions: Optional[tuple] = None
     mems: Optional[list] = None
 
 
 @dataclass
-class RelPosSequenceClassifierOutput(ModelOutput):
-    loss: Optional[torch.FloatTensor] = None
-    logits: Optional[torch.FloatTensor] = None
-    hidden_states: Optional[tuple] = None
-    attentions: Optional[tuple] = None
+class RelPosSequenceClassifierOutput(SequenceClassifierOutput):
+    """``SequenceClassifierOutput`` plus Transformer-XL's ``mems``."""
+
     mems: Optional[list] = None
 
 
