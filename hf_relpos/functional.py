@@ -345,6 +345,190 @@ def t5_position_bias(
 # ----------------------------------------------------------------------------------
 
 
+def _diagonals(full: torch.Tensor, width: int) -> torch.Tensor:
+    """``[.., c, c+width-1] -> [.., c, width]`` with ``out[.., i, t] = full[.., i, i+t]`` (a block's band).
+
+    Padding every flattened block by ``c`` and reading it back with rows one longer shifts row ``i``
+    left by ``i``: the pad-and-reshape skew of Transformer-XL's relative shift.
+    """
+    c = full.shape[-2]
+    flat = F.pad(full.flatten(-2), (0, c))
+    return flat.view(*full.shape[:-2], c, c + width)[..., :width]
+
+
+def _undiagonals(band: torch.Tensor) -> torch.Tensor:
+    """The inverse placement of :func:`_diagonals`: ``out[.., i, i+t] = band[.., i, t]``, zeros elsewhere."""
+    c, width = band.shape[-2:]
+    flat = F.pad(band, (0, c)).flatten(-2)[..., : c * (c + width - 1)]
+    return flat.view(*band.shape[:-2], c, c + width - 1)
+
+
+def _key_windows(x: torch.Tensor, block: int, reach: int) -> torch.Tensor:
+    """``[B, H, n, D] -> [B, H, n/block, D, block + 2·reach]``: the keys rows ``b·block - reach ..``
+    of block ``b`` can reach (zero rows outside the sequence), as a view of one padded copy."""
+    n_pad = -x.shape[2] % block
+    padded = F.pad(x, (0, 0, reach, reach + n_pad))
+    return padded.unfold(2, block + 2 * reach, block)
+
+
+class _ShawBand:
+    """Shaw's scores and values inside the band ``|j - i| < k`` (self-attention, ``past_length = 0``).
+
+    Query rows go in blocks of ``block``; each block meets the ``block + 2(k-1)`` keys its rows can
+    reach in one matmul, and :func:`_diagonals` keeps each row's ``2k-1`` band entries, so the band
+    costs ``O(n·(block + 2k)·D)`` with no ``[.., q, k, D]`` tensor. Band slot ``t`` holds key
+    ``j = i - (k-1) + t``, at clipped relative index ``r = t + 1``.
+    """
+
+    def __init__(self, n: int, clip: int, causal: bool, block: int, device):
+        self.n, self.clip, self.reach, self.block = n, clip, clip - 1, block
+        self.width = 2 * clip - 1
+        t = torch.arange(self.width, device=device)
+        j = torch.arange(n, device=device)[:, None] - self.reach + t
+        valid = (j >= 0) & (j < n)
+        if causal:
+            valid &= t <= self.reach
+        self.invalid = ~valid  # [n, width]
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, n, ..] -> [B, H, n/block, block, ..]`` (zero rows past ``n``)."""
+        x = F.pad(x, (0, 0, 0, -self.n % self.block))
+        return x.view(*x.shape[:2], -1, self.block, x.shape[-1])
+
+    def scores(self, q, k, rel_k, scale):
+        """``[B, H, n, 2k-1]`` band scores ``(q_i·k_j + q_i·rel_k[r]) · scale``, ``-inf`` outside the sequence."""
+        full = self._blocks(q) @ _key_windows(k, self.block, self.reach)
+        band = _diagonals(full, self.width).flatten(2, 3)[:, :, : self.n]
+        band = band + q @ rel_k[1:-1].transpose(0, 1)
+        return (band * scale).masked_fill(self.invalid, float("-inf"))
+
+    def values(self, probs, v, rel_v):
+        """``Σ_t probs[.., i, t] · (v_j + rel_v[r])`` -> ``[B, H, n, D]``."""
+        full = _undiagonals(self._blocks(probs))
+        out = (full @ _key_windows(v, self.block, self.reach).transpose(-1, -2)).flatten(2, 3)[:, :, : self.n]
+        if rel_v is not None:
+            out = out + probs @ rel_v[1:-1]
+        return out
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _ShawBanded(torch.autograd.Function):
+    """Shaw attention as three parts merged by log-sum-exp (self-attention, no mask, ``k >= 1``).
+
+    Beyond the clip distance the relative terms are constant per side:
+    ``q_i·k_j + q_i·rel_k[0] = q_i·(k_j + rel_k[0])`` for ``j <= i - k`` and likewise with ``rel_k[2k]``
+    for ``j >= i + k`` (and ``v_j + rel_v[..]`` for values). Those two ranges are plain causal
+    attention over shifted keys and values, run by SDPA's fused CPU kernel (the right one on the
+    reversed sequence); only the band ``|j - i| < k`` is explicit (:class:`_ShawBand`). The parts'
+    outputs merge with weights ``exp(lse_part - lse)``. The backward runs the fused kernel's backward
+    for each side with the merged output and log-sum-exp (which makes each part's gradient exact),
+    and differentiates the band by recomputing it.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, rel_k, rel_v, clip, causal, scale, block):
+        work = torch.promote_types(q.dtype, torch.float32)
+        band = _ShawBand(q.shape[2], clip, causal, block, q.device)
+        s = band.scores(q.to(work), k.to(work), rel_k.to(work), scale)
+        lse = torch.logsumexp(s, dim=-1)  # the diagonal is always in the band: finite
+        out = band.values(torch.exp(s - lse[..., None]), v.to(work), None if rel_v is None else rel_v.to(work))
+        del s
+        for side in _ShawBanded._sides(q, k, v, rel_k, rel_v, clip, causal):
+            part_out, part_lse = _flash_cpu(*side["qkv"], 0.0, True, scale=scale)
+            rows = side["rows"]
+            part_out, part_lse = side["unflip"](part_out).to(work), side["unflip"](part_lse)
+            merged = torch.logaddexp(lse[:, :, rows], part_lse)
+            out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None] + part_out * torch.exp(
+                part_lse - merged
+            )[..., None]
+            lse[:, :, rows] = merged
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse)
+        ctx.clip, ctx.causal, ctx.scale, ctx.block = clip, causal, scale, block
+        return out
+
+    @staticmethod
+    def _sides(q, k, v, rel_k, rel_v, clip, causal):
+        """The far-left part (and far-right unless causal) as causal-kernel inputs: rows ``i >= clip`` of
+        the (reversed, for the right) sequence attend keys ``j <= i - clip``, i.e. the top-left causal
+        pattern of the query rows shifted by ``clip``."""
+        n = q.shape[2]
+        shift_v = lambda idx: v if rel_v is None else v + rel_v[idx].to(v.dtype)  # noqa: E731
+        sides = [
+            dict(qkv=(q[:, :, clip:], k + rel_k[0].to(k.dtype), shift_v(0)), rows=slice(clip, n), unflip=lambda t: t, flip=False)
+        ]
+        if not causal:
+            flip = lambda t: t.flip(2)  # noqa: E731
+            sides.append(
+                dict(
+                    qkv=(flip(q)[:, :, clip:], flip(k + rel_k[-1].to(k.dtype)), flip(shift_v(-1))),
+                    rows=slice(0, n - clip),
+                    unflip=flip,
+                    flip=True,
+                )
+            )
+        return sides
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, rel_k, rel_v, out, lse = ctx.saved_tensors
+        clip, causal, scale = ctx.clip, ctx.causal, ctx.scale
+        work = torch.promote_types(q.dtype, torch.float32)
+        grad_out = grad_out.contiguous()
+        # The band, differentiated by recomputing it against the merged log-sum-exp: with
+        # P = exp(s - lse) and delta_i = dO_i·O_i, the surrogate Σ dO·(P V') - Σ_i delta_i Σ_t P_it
+        # has d/ds = P ⊙ (dO·v' - delta), the softmax gradient.
+        with torch.enable_grad():
+            leaves = [t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k)]
+            leaves.append(None if rel_v is None else rel_v.detach().to(work).requires_grad_())
+            band = _ShawBand(q.shape[2], clip, causal, ctx.block, q.device)
+            probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], scale) - lse[..., None])
+            g = grad_out.to(work)
+            delta = (g * out.to(work)).sum(-1)
+            surrogate = (band.values(probs, leaves[2], leaves[4]) * g).sum() - (probs.sum(-1) * delta).sum()
+            wanted = [t for t in leaves if t is not None]
+            grads = list(torch.autograd.grad(surrogate, wanted))
+        dq, dk, dv, drel_k = grads[:4]
+        drel_v = grads[4] if rel_v is not None else None
+        for side in _ShawBanded._sides(q, k, v, rel_k, rel_v, clip, causal):
+            rows, flip = side["rows"], side["unflip"]
+            sq, sk, sv = side["qkv"]
+            gq, gk, gv = _flash_cpu_backward(
+                flip(grad_out)[:, :, clip:], sq, sk, sv, flip(out)[:, :, clip:].contiguous(),
+                flip(lse)[:, :, clip:].contiguous(), 0.0, True, scale=scale,
+            )
+            gq, gk, gv = flip(gq), flip(gk), flip(gv)
+            dq[:, :, rows] += gq
+            dk += gk
+            dv += gv
+            index = -1 if side["flip"] else 0
+            drel_k[index] += gk.sum((0, 1, 2))
+            if drel_v is not None:
+                drel_v[index] += gv.sum((0, 1, 2))
+        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+        return cast(dq, q), cast(dk, k), cast(dv, v), cast(drel_k, rel_k), cast(drel_v, rel_v), None, None, None, None
+
+
+def _shaw_banded_applies(q, k, max_relative_position, attention_mask, past_length, dropout_p) -> bool:
+    """The band decomposition runs for CPU self-attention without a mask, cache or dropout, when long enough to pay."""
+    n = q.shape[2]
+    return (
+        q.device.type == "cpu"
+        and attention_mask is None
+        and past_length == 0
+        and dropout_p == 0.0
+        and k.shape[2] == n
+        and max_relative_position >= 1
+        and n >= max(_SHAW_BAND_MIN_LENGTH, 2 * max_relative_position + 1)
+    )
+
+
+_SHAW_BAND_MIN_LENGTH = 128  # below this the gathered [B, H, n, n] form is as fast
+
+
 def shaw_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -364,9 +548,11 @@ def shaw_attention(
     ``e_ij = (q_i·k_j + q_i·rel_k[r_ij]) / sqrt(D)``, ``a = softmax_j(e + mask)``,
     ``z_i = Σ_j a_ij (v_j + rel_v[r_ij])``.
 
-    Never forms a ``[.., q, k, D]`` tensor: the key term is ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``)
-    gathered by ``r_ij``; the value term sums ``a`` per clipped distance (``[B, H, Q, 2k+1]``)
-    and multiplies by ``rel_v``.
+    Never forms a ``[.., q, k, D]`` tensor. On CPU, self-attention without mask, cache or dropout
+    splits into far-left and far-right parts run by the fused kernel and a band ``|j - i| < k``
+    (:class:`_ShawBanded`), so no ``[B, H, Q, K]`` tensor is formed either. Otherwise the key term is
+    ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``) gathered by ``r_ij``, and the value term sums ``a`` per
+    clipped distance (``[B, H, Q, 2k+1]``) and multiplies by ``rel_v``.
     """
     _check_qkv(q, k, v)
     max_relative_position = _check_int("max_relative_position", max_relative_position)
@@ -389,6 +575,9 @@ def shaw_attention(
     B, H, Q, D = q.shape
     K = k.shape[2]
     _check_mask(attention_mask, (B, H, Q, K))
+
+    if _shaw_banded_applies(q, k, max_relative_position, attention_mask, past_length, dropout_p):
+        return _ShawBanded.apply(q, k, v, rel_k, rel_v, max_relative_position, is_causal, 1.0 / math.sqrt(D), 64)
 
     rel_index = _relative_distance(Q, K, past_length, q.device)
     rel_index = rel_index.clamp(-max_relative_position, max_relative_position) + max_relative_position

@@ -1,0 +1,140 @@
+"""The band decomposition of Shaw attention (``functional._ShawBanded``) against the loop oracles.
+
+``shaw_attention`` takes this path on CPU for self-attention without mask, cache or dropout once
+the sequence is ``_SHAW_BAND_MIN_LENGTH`` long. The tests lower that threshold so that the oracles
+(explicit per-(i, j) float64 loops from the contract's formula) stay fast, and check every case
+really took the banded path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_relpos import functional as F
+from oracles import shaw_ref, shaw_torch_ref
+
+
+@pytest.fixture
+def banded_from_any_length(monkeypatch):
+    monkeypatch.setattr(F, "_SHAW_BAND_MIN_LENGTH", 1)
+
+
+def inputs(seed, B, H, n, D, kk, with_rel_v, dtype=torch.float64, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)  # noqa: E731
+    q, k, v = make(B, H, n, D), make(B, H, n, D), make(B, H, n, D)
+    rel_k = make(2 * kk + 1, D)
+    rel_v = make(2 * kk + 1, D) if with_rel_v else None
+    return q, k, v, rel_k, rel_v
+
+
+def takes_band(q, k, kk):
+    return F._shaw_banded_applies(q, k, kk, None, 0, 0.0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    B=st.integers(1, 2), H=st.integers(1, 3), n=st.integers(3, 40), D=st.integers(1, 6),
+    kk_frac=st.floats(0.0, 1.0), causal=st.booleans(), with_rel_v=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_banded_values_match_loop_oracle(banded_from_any_length, B, H, n, D, kk_frac, causal, with_rel_v, seed):
+    kk = 1 + int(kk_frac * ((n - 1) // 2 - 1))  # 1 <= k and 2k+1 <= n
+    q, k, v, rk, rv = inputs(seed, B, H, n, D, kk, with_rel_v)
+    assert takes_band(q, k, kk)
+    got = F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
+    want = shaw_ref(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "n,kk,causal,with_rel_v",
+    [(9, 1, False, True), (9, 4, True, True), (13, 3, False, False), (20, 2, True, False), (70, 3, False, True)],
+)
+def test_banded_gradients_match_loop_oracle(banded_from_any_length, n, kk, causal, with_rel_v):
+    """Gradients of q, k, v, rel_k, rel_v against autograd through the per-(i, j) loop oracle.
+
+    n = 70 crosses the band's block size (64), so a block boundary sits inside the band."""
+    q, k, v, rk, rv = inputs(n * 31 + kk, 2, 2, n, 4, kk, with_rel_v, requires_grad=True)
+    leaves = [t for t in (q, k, v, rk, rv) if t is not None]
+    got = F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
+    want = shaw_torch_ref(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for name, a, b in zip("q k v rel_k rel_v".split(), torch.autograd.grad(got, leaves, grad_out),
+                          torch.autograd.grad(want, leaves, grad_out)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_banded_gradcheck(banded_from_any_length, causal):
+    q, k, v, rk, rv = inputs(3, 1, 2, 11, 3, 2, True, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *t: F.shaw_attention(*t, max_relative_position=2, is_causal=causal), (q, k, v, rk, rv)
+    )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_band_wider_than_a_block_matches_gathered_form(monkeypatch, causal):
+    """k = 70 > the band's block size (64), n = 200 (not a multiple of it): the banded path at the
+    default threshold against the gathered form (itself checked against the oracles elsewhere)."""
+    q, k, v, rk, rv = inputs(5, 1, 2, 200, 8, 70, True, requires_grad=True)
+    assert takes_band(q, k, 70)
+    leaves = (q, k, v, rk, rv)
+    banded = F.shaw_attention(q, k, v, rk, rv, max_relative_position=70, is_causal=causal)
+    monkeypatch.setattr(F, "_SHAW_BAND_MIN_LENGTH", 10**9)
+    assert not takes_band(q, k, 70)
+    gathered = F.shaw_attention(q, k, v, rk, rv, max_relative_position=70, is_causal=causal)
+    torch.testing.assert_close(banded, gathered, rtol=0, atol=1e-10)
+    grad_out = torch.randn_like(banded)
+    for a, b in zip(torch.autograd.grad(banded, leaves, grad_out), torch.autograd.grad(gathered, leaves, grad_out)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_banded_low_precision_close_to_float64_oracle(dtype, atol):
+    n, kk = 160, 8
+    q, k, v, rk, rv = inputs(9, 1, 2, n, 16, kk, True, dtype=dtype)
+    assert takes_band(q, k, kk)
+    got = F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk)
+    assert got.dtype == dtype
+    want = F.shaw_attention(*(t.double() for t in (q, k, v, rk, rv)), max_relative_position=kk)
+    # the float64 reference at this length: gathered form, checked against the loop oracle below
+    for row in (0, 7, 80, 159):  # a query alone at index 0 after ``row`` others sits at position ``row``
+        want_row = shaw_ref(q.double()[:, :, row:row + 1], k.double(), v.double(), rk.double(), rv.double(),
+                            max_relative_position=kk, past_length=row)
+        torch.testing.assert_close(want[:, :, row:row + 1], want_row, rtol=0, atol=1e-10)
+    assert (got.double() - want).abs().max().item() <= atol * want.abs().max().item()
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_banded_never_forms_a_query_by_key_tensor(causal):
+    """Forward and backward stay O(B·H·n·(block + 2k)): no [B, H, n, n] tensor (the gathered form has several)."""
+    B, H, n, D, kk = 1, 2, 512, 8, 4
+    q, k, v, rk, rv = inputs(2, B, H, n, D, kk, True, dtype=torch.float32, requires_grad=True)
+    assert takes_band(q, k, kk)
+    with _LargestTensor() as seen:
+        F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal).sum().backward()
+    assert seen.largest < B * H * n * n // 4, seen.largest
+    # the same probe sees the [B, H, n, n] scores of the gathered form
+    with _LargestTensor() as seen:
+        F.shaw_attention(q[:, :, 1:], k, v, rk, rv, max_relative_position=kk, is_causal=causal, past_length=1)
+    assert seen.largest >= B * H * (n - 1) * n
