@@ -622,6 +622,114 @@ def _rel_shift(x: torch.Tensor, key_length: int) -> torch.Tensor:
     return x.as_strided((*lead, Q, key_length), (*lead_strides, R - 1, 1), x.storage_offset() + Q - 1)
 
 
+def _rel_unshift(grad: torch.Tensor, width: int) -> torch.Tensor:
+    """The adjoint of ``_rel_shift(x, K)`` for an ``x`` of ``width`` columns: ``[.., Q, K] -> [.., Q, width]``.
+
+    The original code's pad-and-reshape run backwards: ``grad`` padded to ``width`` columns, laid
+    out flat after ``Q`` zeros and read as rows of ``width + 1`` without their first column.
+    Wrapped-around entries (``t >= width``) must carry zero gradient (they are masked).
+    """
+    *lead, Q, K = grad.shape
+    flat = grad.new_empty(*lead, Q * (width + 1))
+    flat[..., :Q] = 0
+    rows = flat[..., Q:].view(*lead, Q, width)
+    rows[..., K:] = 0
+    rows[..., :K] = grad
+    return flat.view(*lead, Q, width + 1)[..., 1:]
+
+
+_TXL_CHUNK = 256  # query rows per chunk of Transformer-XL attention
+
+
+def _fused_attention(q, k, v, mask):
+    """``softmax(q k^T + mask) v`` in the fused kernel (``q`` pre-scaled; a row with every key at -inf gives zeros)."""
+    if q.device.type == "cpu":
+        return _flash_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=1.0)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
+class _TransformerXLAttention(torch.autograd.Function):
+    """Transformer-XL attention in chunks of query rows, with its own backward.
+
+    For the rows ``a .. a+c`` of a chunk, the position scores ``(q_i + w)·r[d]`` need only the
+    ``r`` rows the chunk's distances reach: one ``[c, K_c + c - 1]`` matmul read through the
+    relative shift (a strided view, no copy). They ride as the additive mask of the fused kernel
+    for ``q + u`` against the keys (with causality, only the ``K_c = M + a + c`` keys the chunk
+    can see). The backward recomputes each chunk's probabilities and forms
+    ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))``; ``dS`` shifted back (:func:`_rel_unshift`) gives the
+    gradients of ``q + w`` and ``r``. No ``[B, H, Q, K]`` tensor is kept or formed: memory
+    ``O(B·H·c·K)`` beyond the inputs. The scale is folded into ``q + u`` and ``q + w``.
+    """
+
+    @staticmethod
+    def _chunk(q, k, r, u, w, user_mask, causal, scale, start, stop):
+        """The chunk's scaled ``q + u`` and ``q + w``, keys kept, ``r`` window and position scores + mask."""
+        Q, K, R = q.shape[2], k.shape[2], r.shape[1]
+        c, M = stop - start, K - Q
+        keys = M + stop if causal else K
+        first = Q - stop  # the r column the chunk's last row reads at key 0, less the c-1 rows of shift
+        width = min(keys + c - 1, R - first)
+        qu = (q[:, :, start:stop] + u[:, None, :]) * scale
+        qw = (q[:, :, start:stop] + w[:, None, :]) * scale
+        r_window = r[:, first:first + width]
+        bias = _rel_shift(qw @ r_window.transpose(-1, -2), keys)
+        if user_mask is not None:
+            bias = bias + user_mask[..., start:stop, :keys]
+        if causal:  # also hides the shift's wrapped-around entries
+            bias = bias.masked_fill(~_causal_pattern(c, keys, M + start, q.device), float("-inf"))
+        return qu, qw, keys, first, width, bias
+
+    @staticmethod
+    def forward(ctx, q, k, v, r, u, w, user_mask, causal, scale, chunk):
+        B, H, Q, D = q.shape
+        ctx.dtypes = (r.dtype, u.dtype, w.dtype)
+        r, u, w = r.to(q.dtype), u.to(q.dtype), w.to(q.dtype)
+        if user_mask is not None:
+            user_mask = user_mask.to(q.dtype).expand(B, H, Q, k.shape[2])
+        out = q.new_empty(B, H, Q, v.shape[-1])
+        for start in range(0, Q, chunk):
+            stop = min(start + chunk, Q)
+            qu, _, keys, _, _, bias = _TransformerXLAttention._chunk(q, k, r, u, w, user_mask, causal, scale, start, stop)
+            out[:, :, start:stop] = _fused_attention(qu, k[:, :, :keys], v[:, :, :keys], bias)
+        ctx.save_for_backward(q, k, v, r, u, w, user_mask, out)
+        ctx.causal, ctx.scale, ctx.chunk = causal, scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, r, u, w, user_mask, out = ctx.saved_tensors
+        dtypes = (q.dtype, k.dtype, v.dtype, *ctx.dtypes)
+        causal, scale = ctx.causal, ctx.scale
+        work = torch.promote_types(q.dtype, torch.float32)
+        q, k, v, r, u, w, out, g_all = (t.to(work) for t in (q, k, v, r, u, w, out, grad_out))
+        if user_mask is not None:
+            user_mask = user_mask.to(work)
+        delta = (g_all * out).sum(-1, keepdim=True)
+        dq, dk, dv, dr = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(r)
+        du, dw = torch.zeros_like(u), torch.zeros_like(w)
+        for start in range(0, q.shape[2], ctx.chunk):
+            stop = min(start + ctx.chunk, q.shape[2])
+            qu, qw, keys, first, width, bias = _TransformerXLAttention._chunk(
+                q, k, r, u, w, user_mask, causal, scale, start, stop
+            )
+            kc, vc, g = k[:, :, :keys], v[:, :, :keys], g_all[:, :, start:stop]
+            probs = torch.softmax((qu @ kc.transpose(-1, -2)).add_(bias), dim=-1)
+            if user_mask is not None:  # a row with every key masked: zeros (causality always leaves one)
+                probs.nan_to_num_(0.0)
+            dv[:, :, :keys] += probs.transpose(-1, -2) @ g
+            dscores = (g @ vc.transpose(-1, -2)).sub_(delta[:, :, start:stop]).mul_(probs)
+            del probs
+            dk[:, :, :keys] += dscores.transpose(-1, -2) @ qu
+            dposition = _rel_unshift(dscores, width)
+            dr[:, first:first + width] += (dposition.transpose(-1, -2) @ qw).sum(0)
+            dqu, dqw = (dscores @ kc).mul_(scale), (dposition @ r[:, first:first + width]).mul_(scale)
+            dq[:, :, start:stop] = dqu + dqw
+            du += dqu.sum((0, 2))
+            dw += dqw.sum((0, 2))
+        grads = [t.to(dtype) for t, dtype in zip((dq, dk, dv, dr, du, dw), dtypes)]
+        return (*grads, None, None, None, None)
+
+
 def transformer_xl_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -639,8 +747,9 @@ def transformer_xl_attention(
     ``e_ij = ((q_i + u)·k_j + (q_i + w)·r[d = (M+i) - j]) / sqrt(D)`` where the ``K`` keys are
     ``M = K - Q`` memory positions followed by the ``Q`` current ones. ``r`` is ``[H, R, D]``
     (projected relative embeddings ``W_{k,R} R_d``, distances descending from ``K-1``); ``u`` and
-    ``w`` (the paper's ``v``) are ``[H, D]``. Terms (a)+(c) are one matmul with ``q + u``, terms
-    (b)+(d) one matmul with ``q + w`` followed by the relative shift: O(Q·K) work and memory.
+    ``w`` (the paper's ``v``) are ``[H, D]``. Terms (b)+(d) are one matmul with ``q + w`` followed by
+    the relative shift; that score matrix is an additive bias for the fused attention of ``q + u``
+    against the keys (terms (a)+(c)), through :func:`attention_with_bias`: O(Q·K) work and memory.
     """
     _check_qkv(q, k, v)
     dropout_p = _check_dropout(dropout_p)
@@ -664,15 +773,16 @@ def transformer_xl_attention(
 
     if Q == 0:
         return q.new_zeros(B, H, 0, v.shape[-1])
+    scale = 1.0 / math.sqrt(D)
+    user_mask = _additive_mask(attention_mask, None)
+    if dropout_p == 0.0:
+        return _TransformerXLAttention.apply(q, k, v, r, u, w, user_mask, is_causal, scale, _TXL_CHUNK)
     M = K - Q
-    content = (q + u[:, None, :].to(q.dtype)) @ k.transpose(-1, -2)  # terms (a) + (c)
-    position = (q + w[:, None, :].to(q.dtype)) @ r.to(q.dtype).transpose(-1, -2)  # terms (b) + (d), [B,H,Q,R]
-    scores = (content + _rel_shift(position, K)) * (1.0 / math.sqrt(D))
-
     causal = _causal_pattern(Q, K, M, q.device) if is_causal else None
-    probs = _masked_softmax(scores, _additive_mask(attention_mask, causal))
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p, training=True)
+    content = (q + u[:, None, :].to(q.dtype)) @ k.transpose(-1, -2)  # terms (a) + (c)
+    position = (q + w[:, None, :].to(q.dtype)) @ r.to(q.dtype).transpose(-1, -2)  # terms (b) + (d)
+    probs = _masked_softmax((content + _rel_shift(position, K)) * scale, _additive_mask(attention_mask, causal))
+    probs = F.dropout(probs, p=dropout_p, training=True)
     return probs.to(v.dtype) @ v
 
 
