@@ -427,40 +427,48 @@ class TransformerXLRelative(nn.Module):
     def __init__(self, config: RelPosConfig):
         super().__init__()
         self.hidden_size = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.r_net = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
-        self._projected = None  # inference only: (key, lowest distance, W_{k,R} R_d for a range of d)
+        self._projected = None  # inference only: (key, highest distance, [H, span, D] for distances descending)
 
     def train(self, mode: bool = True):
         self._projected = None
         return super().train(mode)
 
-    def forward(self, distances: "RelativeDistances", dtype):
-        """``W_{k,R} R_d`` for each distance (``[R, hidden]``), ``u`` and ``v``.
+    def _project(self, distances: torch.Tensor, dtype) -> torch.Tensor:
+        """``W_{k,R} R_d`` per head: ``[H, len(distances), D]``."""
+        r = self.r_net(sinusoidal_embedding(distances, self.hidden_size).to(dtype))
+        return r.view(len(distances), self.num_heads, self.head_dim).transpose(0, 1).contiguous()
 
-        In inference the projections of a range of distances are kept and reused, so that a decoding
-        step indexes them instead of projecting ``K`` sinusoids again (an ``O(K·hidden²)`` matmul per
-        layer and token). The range doubles when exceeded. The kept projections are dropped by every
-        forward with gradients and every ``train()``/``eval()`` switch, and rebuilt when a parameter's
-        storage or version changes: fused optimizers update weights without bumping versions.
+    def forward(self, distances: "RelativeDistances", dtype):
+        """``W_{k,R} R_d`` for each distance (``[H, R, D]``), ``u`` and ``v``.
+
+        In inference the projections of a range of distances are kept, highest distance first, and
+        reused: a decoding step reads the slice for ``K-1 .. 0`` (a view, no copy) instead of
+        projecting ``K`` sinusoids again (an ``O(K·hidden²)`` matmul per layer and token). The
+        range doubles when exceeded. The kept projections are dropped by every forward with
+        gradients and every ``train()``/``eval()`` switch, and rebuilt when a parameter's storage
+        or version changes: fused optimizers update weights without bumping versions.
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             self._projected = None
-            r = self.r_net(sinusoidal_embedding(distances.values, self.hidden_size).to(dtype))
-            return r, self.r_w_bias, self.r_r_bias
+            return self._project(distances.values, dtype), self.r_w_bias, self.r_r_bias
         device = distances.values.device
         # Every parameter of r_net (adapters included) by storage and version: any update rebuilds the cache.
         key = (tuple((p.data_ptr(), p._version, p.device) for p in self.r_net.parameters()), device, dtype)
         cached = self._projected
-        if cached is None or cached[0] != key or distances.low < cached[1] or distances.high >= cached[1] + len(cached[2]):
-            low, high = distances.low, distances.high
+        if cached is None or cached[0] != key or distances.high > cached[1] or distances.low <= cached[1] - cached[2].shape[1]:
+            high, low = distances.high, distances.low
             if cached is not None and cached[0] == key:
-                low, high = min(low, cached[1]), max(high, 2 * (cached[1] + len(cached[2])))
-            span = torch.arange(low, high + 1, device=device)
-            cached = (key, low, self.r_net(sinusoidal_embedding(span, self.hidden_size).to(dtype)))
+                high, low = max(2 * high, cached[1]), min(low, cached[1] - cached[2].shape[1] + 1)
+            cached = (key, high, self._project(torch.arange(high, low - 1, -1, device=device), dtype))
             self._projected = cached
-        return cached[2][distances.values - cached[1]], self.r_w_bias, self.r_r_bias
+        top, projected = cached[1], cached[2]
+        if distances.consecutive:
+            return projected[:, top - distances.high : top - distances.low + 1], self.r_w_bias, self.r_r_bias
+        return projected[:, top - distances.values], self.r_w_bias, self.r_r_bias
 
 
 @dataclass
@@ -470,6 +478,11 @@ class RelativeDistances:
     values: torch.Tensor
     low: int
     high: int
+
+    @property
+    def consecutive(self) -> bool:
+        """``values`` is ``high, high-1, .., low`` (nothing clamped)."""
+        return len(self.values) == self.high - self.low + 1
 
 
 class TransformerXLScheme(PositionScheme):
@@ -497,7 +510,6 @@ class TransformerXLScheme(PositionScheme):
     def attend(self, attn, query, key, value, term, ctx):
         distances, dtype = term
         r, u, w = attn.relative(distances, dtype)
-        r = r.view(r.shape[0], self.num_heads, self.head_dim).transpose(0, 1)
         out = transformer_xl_attention(
             query,
             key,
