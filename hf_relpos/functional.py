@@ -160,42 +160,51 @@ def _relative_distance(query_length: int, key_length: int, past_length: int, dev
 # ----------------------------------------------------------------------------------
 
 
+# SDPA's fused CPU kernel and its backward, called directly for their log-sum-exp output and input.
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 class _AttentionWithBias(torch.autograd.Function):
     """``softmax(q k^T · scale + bias) v`` whose backward also returns the bias gradient.
 
     PyTorch's CPU SDPA leaves its fused kernel for the math path (which keeps the whole
     ``[B, H, Q, K]`` probability tensor for backward) as soon as the mask needs a gradient. Here the
     forward runs the fused kernel with the bias as a constant and keeps only its output; the
-    backward recomputes the probabilities a chunk of whole query rows at a time and applies the softmax gradient ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))`` (as FlashAttention does).
+    backward recomputes the probabilities ``P = exp(S - lse)`` from the kernel's log-sum-exp, a chunk
+    of query rows at a time, and applies the softmax gradient ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))``
+    (as FlashAttention does).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, bias, scale, chunk_size):
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=bias.detach(), scale=scale
-        )
-        ctx.save_for_backward(q, k, v, bias, out)
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias.detach(), scale=scale)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, bias, out = ctx.saved_tensors
+        q, k, v, bias, out, lse = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk_size
         work = torch.promote_types(q.dtype, torch.float32)
         qs, kf, vf, gf = (q.to(work) * scale), k.to(work), v.to(work), grad_out.to(work)
         delta = (gf * out.to(work)).sum(-1, keepdim=True)
-        has_neg_inf = bool(torch.isneginf(bias).any())
+        lse = lse.to(work).unsqueeze(-1)
+        # A row whose every key sits at finfo.min (finite "masked") has a log-sum-exp lost in rounding
+        # near finfo.min: recompute such probabilities with a full softmax instead.
+        exact = bool((lse > torch.finfo(lse.dtype).min / 2).all())
         dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
         dbias = torch.empty(bias.shape, dtype=work, device=bias.device) if ctx.needs_input_grad[3] else None
         for start in range(0, q.shape[2], chunk):
             rows = slice(start, start + chunk)
-            # A chunk holds whole rows, so the softmax is recomputed exactly, max-subtracted.
-            scores = qs[:, :, rows] @ kf.transpose(-1, -2)
-            scores += bias[:, :, rows].to(work)
-            probs = torch.softmax(scores, dim=-1)
-            if has_neg_inf:  # a row with every key at -inf: zeros, as the forward kernel gives
-                probs = probs.nan_to_num_(0.0)
+            # P = exp(s - lse) with the forward kernel's log-sum-exp: whole rows need no max or sum pass.
+            # A row with every key at -inf has scores -inf (and lse 0 from the kernel): P = 0, as its output.
+            scores = (qs[:, :, rows] @ kf.transpose(-1, -2)).add_(bias[:, :, rows].to(work))
+            if exact:
+                probs = scores.sub_(lse[:, :, rows]).exp_()
+            else:
+                probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
             del scores
             g = gf[:, :, rows]
             dv += probs.transpose(-1, -2) @ g
@@ -409,10 +418,6 @@ class _ShawBand:
         if rel_v is not None:
             out = out + probs @ rel_v[1:-1]
         return out
-
-
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class _ShawBanded(torch.autograd.Function):

@@ -117,3 +117,20 @@ def test_bad_arguments_name_the_argument(bad, name):
     kwargs.update(bad)
     with pytest.raises(ValueError, match=name):
         attention_with_bias(q, k, v, kwargs.pop("bias"), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_entirely_at_finfo_min_gets_softmax_gradients(dtype):
+    """Transformers' masks use finfo.min: a row of only finfo.min attends uniformly in the forward
+    kernel, and the backward must agree with that (its log-sum-exp is lost in rounding there)."""
+    q, k, v, bias = inputs((1, 3, 9, 11), seed=4, dtype=dtype)
+    bias[..., 3, :] = torch.finfo(dtype).min
+    bias[..., 6, 5:] = torch.finfo(dtype).min
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
+    grad_out = torch.randn(2, 3, 9, 5, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    got = torch.autograd.grad(attention_with_bias(*leaves, scale=0.5, chunk_size=4), leaves, grad_out)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, bias)]
+    want = torch.autograd.grad(naive(*ref_leaves, 0.5), ref_leaves, grad_out.double())
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    for name, a, b in zip("q k v bias".split(), got, want):
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m: f"grad of {name}: {m}")
