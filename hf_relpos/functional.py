@@ -680,7 +680,7 @@ class _TransformerXLAttention(torch.autograd.Function):
         bias = _rel_shift(qw @ r_window.transpose(-1, -2), keys)
         if user_mask is not None:
             bias = bias + user_mask[..., start:stop, :keys]
-        if causal:  # also hides the shift's wrapped-around entries
+        if causal and c > 1:  # also hides the shift's wrapped-around entries (a lone last row has none)
             bias = bias.masked_fill(~_causal_pattern(c, keys, M + start, q.device), float("-inf"))
         return qu, qw, keys, first, width, bias
 

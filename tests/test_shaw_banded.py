@@ -138,3 +138,51 @@ def test_banded_never_forms_a_query_by_key_tensor(causal):
     with _LargestTensor() as seen:
         F.shaw_attention(q[:, :, 1:], k, v, rk, rv, max_relative_position=kk, is_causal=causal, past_length=1)
     assert seen.largest >= B * H * (n - 1) * n
+
+
+def test_banded_bfloat16_gradients_close_to_float64():
+    n, kk = 160, 8
+    q, k, v, rk, rv = inputs(21, 1, 2, n, 16, kk, True, dtype=torch.bfloat16, requires_grad=True)
+    assert takes_band(q, k, kk)
+    leaves = (q, k, v, rk, rv)
+    grad_out = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(F.shaw_attention(*leaves, max_relative_position=kk), leaves, grad_out.bfloat16())
+    ref = [t.detach().double().requires_grad_(True) for t in leaves]
+    want = torch.autograd.grad(F.shaw_attention(*ref, max_relative_position=kk), ref, grad_out.double())
+    for name, a, b in zip("q k v rel_k rel_v".split(), got, want):
+        assert a.dtype == torch.bfloat16
+        err = (a.double() - b).norm() / b.norm()
+        assert err < 2e-2, (name, err.item())
+
+
+def test_model_takes_the_band_and_matches_the_gathered_form(monkeypatch):
+    """A Shaw model on 160 tokens (no padding): the banded path gives the outputs and gradients of
+    the gathered form."""
+    from hf_relpos import RelPosConfig, RelPosModel
+
+    config = RelPosConfig(position_encoding="shaw", max_relative_position=8, vocab_size=64, hidden_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    torch.manual_seed(0)
+    model = RelPosModel(config)
+    for layer in model.layers:  # learned embeddings away from their zero init
+        torch.nn.init.normal_(layer.self_attn.relative.rel_k, std=0.5)
+        torch.nn.init.normal_(layer.self_attn.relative.rel_v, std=0.5)
+    ids = torch.randint(0, 64, (2, 160))
+    calls = []
+    real = F._ShawBanded.apply
+    monkeypatch.setattr(F._ShawBanded, "apply", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        model.zero_grad()
+        out = model(input_ids=ids).last_hidden_state
+        out.pow(2).mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    banded_out, banded_grads = run()
+    assert len(calls) == config.num_hidden_layers
+    monkeypatch.setattr(F, "_SHAW_BAND_MIN_LENGTH", 10**9)
+    gathered_out, gathered_grads = run()
+    assert len(calls) == config.num_hidden_layers
+    torch.testing.assert_close(banded_out, gathered_out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(banded_grads, gathered_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
