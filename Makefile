@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench
+.PHONY: run test setup clean demo-biases bench bench-thp
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ run: $(STAMP)
 # Speed and memory against upstream T5 and plain attention (writes results/bench-cpu.md).
 bench: $(STAMP)
 	$(PY) scripts/bench.py
+
+# The effect of THP_MEM_ALLOC_ENABLE=1 on training steps (writes results/bench-cpu-thp.md).
+bench-thp: $(STAMP)
+	$(PY) scripts/bench_thp.py
 
 # What each scheme adds to attention, printed for a small example.
 demo-biases: $(STAMP)

@@ -118,6 +118,19 @@ def decode_tokens_per_second(names, context: int, new_tokens: int, repeats: int)
     return {name: statistics.median(r) for name, r in rates.items()}
 
 
+def machine_line(threads: int) -> str:
+    """Date, torch version and machine, for the header of a results file."""
+    return (f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}; "
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads} threads")
+
+
+def write_report(lines: list, output: str) -> None:
+    text = "\n".join(lines) + "\n"
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(text)
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
@@ -161,9 +174,7 @@ def main() -> None:
         "# CPU benchmark",
         "",
         f"Command: `python scripts/bench.py {' '.join(sys.argv[1:])}`  ",
-        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}; "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads; "
-        f"batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048, fp32, bidirectional (as T5's encoder); "
+        f"{machine_line(args.threads)}; batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048, fp32, bidirectional (as T5's encoder); "
         f"medians of {args.repeats} interleaved runs after a warm-up.",
         "",
         "Times are ratios: **vs rope** = this scheme's time / rope's (plain fused SDPA, the floor); "
@@ -197,10 +208,7 @@ def main() -> None:
     for name in schemes:
         lines.append(f"| {name} | " + " | ".join(
             f"{decode[(name, c)] / decode[('rope', c)]:.2f}" for c in args.contexts) + " |")
-    text = "\n".join(lines) + "\n"
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(text)
-    print(text)
+    write_report(lines, args.output)
 
 
 if __name__ == "__main__":
