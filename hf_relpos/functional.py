@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "attention_with_bias",
@@ -161,8 +162,14 @@ def _relative_distance(query_length: int, key_length: int, past_length: int, dev
 
 
 # SDPA's fused CPU kernel and its backward, called directly for their log-sum-exp output and input.
+# Unlike the public SDPA entry point they assume a unit stride along head_dim: see _unit_stride.
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _unit_stride(*tensors: torch.Tensor):
+    """The tensors with a unit stride along the last dim (copied only where needed), as the raw kernel reads them."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 class _AttentionWithBias(torch.autograd.Function):
@@ -191,9 +198,10 @@ class _AttentionWithBias(torch.autograd.Function):
         qs, kf, vf, gf = (q.to(work) * scale), k.to(work), v.to(work), grad_out.to(work)
         delta = (gf * out.to(work)).sum(-1, keepdim=True)
         lse = lse.to(work).unsqueeze(-1)
-        # A row whose every key sits at finfo.min (finite "masked") has a log-sum-exp lost in rounding
-        # near finfo.min: recompute such probabilities with a full softmax instead.
-        exact = bool((lse > torch.finfo(lse.dtype).min / 2).all())
+        # exp(S - lse) is exact only while lse keeps the precision of log K: a row whose every key
+        # sits at a huge negative value (finfo.min masks, -1e9 biases) rounds it away. Such rows, and a
+        # backward that must itself be differentiable (create_graph), take a full softmax instead.
+        exact = bool((lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10)) and not torch.is_grad_enabled()
         dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
         dbias = torch.empty(bias.shape, dtype=work, device=bias.device) if ctx.needs_input_grad[3] else None
         for start in range(0, q.shape[2], chunk):
@@ -204,7 +212,7 @@ class _AttentionWithBias(torch.autograd.Function):
             if exact:
                 probs = scores.sub_(lse[:, :, rows]).exp_()
             else:
-                probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+                probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: create_graph may need it
             del scores
             g = gf[:, :, rows]
             dv += probs.transpose(-1, -2) @ g
@@ -247,10 +255,11 @@ def attention_with_bias(
         raise ValueError(f"bias must broadcast as [batch|1, heads|1, {Q}, {K}], got {tuple(bias.shape)}")
     chunk_size = _check_int("chunk_size", chunk_size, 1)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if Q == 0 or K == 0:  # nothing to attend (and the fused CPU kernel crashes on empty inputs)
+    if 0 in (B, H, Q, K):  # nothing to attend (and the fused CPU kernel crashes on empty inputs)
         return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * (q.sum() + k.sum() + v.sum() + bias.sum())
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
+    q, k, v = _unit_stride(q, k, v)
     return _AttentionWithBias.apply(q, k, v, bias.to(q.dtype).contiguous(), scale, chunk_size)
 
 
@@ -478,6 +487,7 @@ class _ShawBanded(torch.autograd.Function):
         return sides
 
     @staticmethod
+    @once_differentiable  # the fused kernel's backward has no derivative of its own
     def backward(ctx, grad_out):
         q, k, v, rel_k, rel_v, out, lse = ctx.saved_tensors
         clip, causal, scale = ctx.clip, ctx.causal, ctx.scale
@@ -517,7 +527,7 @@ class _ShawBanded(torch.autograd.Function):
         return cast(dq, q), cast(dk, k), cast(dv, v), cast(drel_k, rel_k), cast(drel_v, rel_v), None, None, None, None
 
 
-def _shaw_banded_applies(q, k, max_relative_position, attention_mask, past_length, dropout_p) -> bool:
+def _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p) -> bool:
     """The band decomposition runs for CPU self-attention without a mask, cache or dropout, when long enough to pay."""
     n = q.shape[2]
     return (
@@ -526,6 +536,8 @@ def _shaw_banded_applies(q, k, max_relative_position, attention_mask, past_lengt
         and past_length == 0
         and dropout_p == 0.0
         and k.shape[2] == n
+        and v.shape[-1] == q.shape[-1]  # the fused kernel needs one head size
+        and q.numel() > 0
         and max_relative_position >= 1
         and n >= max(_SHAW_BAND_MIN_LENGTH, 2 * max_relative_position + 1)
     )
@@ -581,7 +593,8 @@ def shaw_attention(
     K = k.shape[2]
     _check_mask(attention_mask, (B, H, Q, K))
 
-    if _shaw_banded_applies(q, k, max_relative_position, attention_mask, past_length, dropout_p):
+    if _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p):
+        q, k, v = _unit_stride(q, k, v)
         return _ShawBanded.apply(q, k, v, rel_k, rel_v, max_relative_position, is_causal, 1.0 / math.sqrt(D), 64)
 
     rel_index = _relative_distance(Q, K, past_length, q.device)
@@ -688,6 +701,7 @@ class _TransformerXLAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, r, u, w, user_mask, causal, scale, chunk):
         B, H, Q, D = q.shape
         ctx.dtypes = (r.dtype, u.dtype, w.dtype)
+        ctx.mask_shape = None if user_mask is None else (user_mask.shape, user_mask.dtype)
         r, u, w = r.to(q.dtype), u.to(q.dtype), w.to(q.dtype)
         if user_mask is not None:
             user_mask = user_mask.to(q.dtype).expand(B, H, Q, k.shape[2])
@@ -712,6 +726,8 @@ class _TransformerXLAttention(torch.autograd.Function):
         delta = (g_all * out).sum(-1, keepdim=True)
         dq, dk, dv, dr = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(r)
         du, dw = torch.zeros_like(u), torch.zeros_like(w)
+        # A float mask that requires grad (rare) gets dS, the gradient of the scores it is added to.
+        dmask = torch.zeros(user_mask.shape, dtype=work, device=q.device) if ctx.needs_input_grad[6] else None
         for start in range(0, q.shape[2], ctx.chunk):
             stop = min(start + ctx.chunk, q.shape[2])
             qu, qw, keys, first, width, bias = _TransformerXLAttention._chunk(
@@ -725,6 +741,8 @@ class _TransformerXLAttention(torch.autograd.Function):
             dscores = (g @ vc.transpose(-1, -2)).sub_(delta[:, :, start:stop]).mul_(probs)
             del probs
             dk[:, :, :keys] += dscores.transpose(-1, -2) @ qu
+            if dmask is not None:
+                dmask[:, :, start:stop, :keys] = dscores
             dposition = _rel_unshift(dscores, width)
             dr[:, first:first + width] += (dposition.transpose(-1, -2) @ qw).sum(0)
             dqu, dqw = (dscores @ kc).mul_(scale), (dposition @ r[:, first:first + width]).mul_(scale)
@@ -732,7 +750,10 @@ class _TransformerXLAttention(torch.autograd.Function):
             du += dqu.sum((0, 2))
             dw += dqw.sum((0, 2))
         grads = [t.to(dtype) for t, dtype in zip((dq, dk, dv, dr, du, dw), dtypes)]
-        return (*grads, None, None, None, None)
+        if dmask is not None:
+            shape, dtype = ctx.mask_shape
+            dmask = dmask.sum_to_size(shape).to(dtype)
+        return (*grads, dmask, None, None, None)
 
 
 def transformer_xl_attention(
@@ -776,11 +797,12 @@ def transformer_xl_attention(
             raise ValueError(f"{name} must have shape [heads, head_dim] = [{H}, {D}], got {tuple(bias.shape)}")
     _check_mask(attention_mask, (B, H, Q, K))
 
-    if Q == 0:
-        return q.new_zeros(B, H, 0, v.shape[-1])
+    if Q == 0 or B * H == 0:  # nothing to attend (the fused CPU kernel divides by the head count)
+        return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * sum(t.sum() for t in (q, k, v, r, u, w))
     scale = 1.0 / math.sqrt(D)
     user_mask = _additive_mask(attention_mask, None)
     if dropout_p == 0.0:
+        q, k, v = _unit_stride(q, k, v)
         return _TransformerXLAttention.apply(q, k, v, r, u, w, user_mask, is_causal, scale, _TXL_CHUNK)
     M = K - Q
     causal = _causal_pattern(Q, K, M, q.device) if is_causal else None

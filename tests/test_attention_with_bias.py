@@ -134,3 +134,41 @@ def test_row_entirely_at_finfo_min_gets_softmax_gradients(dtype):
     tol = 1e-10 if dtype == torch.float64 else 1e-4
     for name, a, b in zip("q k v bias".split(), got, want):
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_row_at_a_huge_finite_bias_gets_softmax_gradients():
+    """-1e9 on every key of a row: float32 cannot hold log K next to such a log-sum-exp. The reference
+    is autograd through the plain formula at the same precision (float32 loses q·k next to -1e9 too)."""
+    q, k, v, bias = inputs((1, 3, 9, 11), seed=6, dtype=torch.float32)
+    bias[..., 1, :] = -1e9
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
+    grad_out = torch.randn(2, 3, 9, 5, generator=torch.Generator().manual_seed(7))
+    got = torch.autograd.grad(attention_with_bias(*leaves, scale=0.5), leaves, grad_out)
+    ref_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, bias)]
+    want = torch.autograd.grad(naive(*ref_leaves, 0.5), ref_leaves, grad_out)
+    for name, a, b in zip("q k v bias".split(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_second_derivatives_match_autograd():
+    """create_graph through the chunked backward (e.g. a gradient penalty) differentiates correctly."""
+    q, k, v, bias = inputs((1, 3, 9, 11), seed=8)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
+    ref = [t.detach().clone().requires_grad_(True) for t in (q, k, v, bias)]
+
+    def penalty_grads(fn, xs):
+        (dq,) = torch.autograd.grad(fn(*xs).pow(2).sum(), xs[0], create_graph=True)
+        return torch.autograd.grad(dq.pow(2).sum(), xs)
+
+    got = penalty_grads(lambda *t: attention_with_bias(*t, scale=0.5, chunk_size=4), leaves)
+    want = penalty_grads(lambda *t: naive(*t, 0.5), ref)
+    for name, a, b in zip("q k v bias".split(), got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_strided_head_dim_matches_contiguous():
+    q, k, v, bias = inputs((1, 3, 9, 11), seed=9)
+    strided = [t.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_(True) for t in (q, k, v)]
+    assert strided[0].stride(-1) != 1
+    torch.testing.assert_close(attention_with_bias(*strided, bias.requires_grad_(True)),
+                               attention_with_bias(q, k, v, bias), rtol=0, atol=1e-12)

@@ -32,8 +32,8 @@ def inputs(seed, B, H, n, D, kk, with_rel_v, dtype=torch.float64, requires_grad=
     return q, k, v, rel_k, rel_v
 
 
-def takes_band(q, k, kk):
-    return F._shaw_banded_applies(q, k, kk, None, 0, 0.0)
+def takes_band(q, k, v, kk):
+    return F._shaw_banded_applies(q, k, v, kk, None, 0, 0.0)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -44,7 +44,7 @@ def takes_band(q, k, kk):
 def test_banded_values_match_loop_oracle(banded_from_any_length, B, H, n, D, kk_frac, causal, with_rel_v, seed):
     kk = 1 + int(kk_frac * ((n - 1) // 2 - 1))  # 1 <= k and 2k+1 <= n
     q, k, v, rk, rv = inputs(seed, B, H, n, D, kk, with_rel_v)
-    assert takes_band(q, k, kk)
+    assert takes_band(q, k, v, kk)
     got = F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
     want = shaw_ref(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
@@ -82,11 +82,11 @@ def test_band_wider_than_a_block_matches_gathered_form(monkeypatch, causal):
     """k = 70 > the band's block size (64), n = 200 (not a multiple of it): the banded path at the
     default threshold against the gathered form (itself checked against the oracles elsewhere)."""
     q, k, v, rk, rv = inputs(5, 1, 2, 200, 8, 70, True, requires_grad=True)
-    assert takes_band(q, k, 70)
+    assert takes_band(q, k, v, 70)
     leaves = (q, k, v, rk, rv)
     banded = F.shaw_attention(q, k, v, rk, rv, max_relative_position=70, is_causal=causal)
     monkeypatch.setattr(F, "_SHAW_BAND_MIN_LENGTH", 10**9)
-    assert not takes_band(q, k, 70)
+    assert not takes_band(q, k, v, 70)
     gathered = F.shaw_attention(q, k, v, rk, rv, max_relative_position=70, is_causal=causal)
     torch.testing.assert_close(banded, gathered, rtol=0, atol=1e-10)
     grad_out = torch.randn_like(banded)
@@ -98,7 +98,7 @@ def test_band_wider_than_a_block_matches_gathered_form(monkeypatch, causal):
 def test_banded_low_precision_close_to_float64_oracle(dtype, atol):
     n, kk = 160, 8
     q, k, v, rk, rv = inputs(9, 1, 2, n, 16, kk, True, dtype=dtype)
-    assert takes_band(q, k, kk)
+    assert takes_band(q, k, v, kk)
     got = F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk)
     assert got.dtype == dtype
     want = F.shaw_attention(*(t.double() for t in (q, k, v, rk, rv)), max_relative_position=kk)
@@ -130,7 +130,7 @@ def test_banded_never_forms_a_query_by_key_tensor(causal):
     """Forward and backward stay O(B·H·n·(block + 2k)): no [B, H, n, n] tensor (the gathered form has several)."""
     B, H, n, D, kk = 1, 2, 512, 8, 4
     q, k, v, rk, rv = inputs(2, B, H, n, D, kk, True, dtype=torch.float32, requires_grad=True)
-    assert takes_band(q, k, kk)
+    assert takes_band(q, k, v, kk)
     with _LargestTensor() as seen:
         F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal).sum().backward()
     assert seen.largest < B * H * n * n // 4, seen.largest
@@ -143,7 +143,7 @@ def test_banded_never_forms_a_query_by_key_tensor(causal):
 def test_banded_bfloat16_gradients_close_to_float64():
     n, kk = 160, 8
     q, k, v, rk, rv = inputs(21, 1, 2, n, 16, kk, True, dtype=torch.bfloat16, requires_grad=True)
-    assert takes_band(q, k, kk)
+    assert takes_band(q, k, v, kk)
     leaves = (q, k, v, rk, rv)
     grad_out = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(2))
     got = torch.autograd.grad(F.shaw_attention(*leaves, max_relative_position=kk), leaves, grad_out.bfloat16())
@@ -186,3 +186,47 @@ def test_model_takes_the_band_and_matches_the_gathered_form(monkeypatch):
     torch.testing.assert_close(banded_out, gathered_out, rtol=1e-5, atol=1e-5)
     for a, b in zip(banded_grads, gathered_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_banded_accepts_a_strided_head_dim(causal):
+    """q, k, v whose last dim is not contiguous (transposed views): the raw fused kernel reads unit strides."""
+    q, k, v, rk, rv = inputs(31, 1, 2, 130, 4, 3, True)
+    strided = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v)]
+    assert strided[0].stride(-1) != 1 and takes_band(*strided[:2], strided[2], 3)
+    got = F.shaw_attention(*strided, rk, rv, max_relative_position=3, is_causal=causal)
+    torch.testing.assert_close(got, F.shaw_attention(q, k, v, rk, rv, max_relative_position=3, is_causal=causal),
+                               rtol=0, atol=1e-12)
+
+
+def test_values_with_their_own_head_size_take_the_gathered_form():
+    """v_head_dim != head_dim is allowed by the contract; the fused kernel needs one head size."""
+    g = torch.Generator().manual_seed(8)
+    q, k = (torch.randn(1, 2, 130, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, 130, 6, generator=g, dtype=torch.float64)
+    rk, rv = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randn(7, 6, generator=g, dtype=torch.float64)
+    assert not takes_band(q, k, v, 3)
+    got = F.shaw_attention(q, k, v, rk, rv, max_relative_position=3)
+    # Each output column depends on its own value column only: the first and last four columns are
+    # what the banded path (one head size) gives for those value columns.
+    for cols in (slice(0, 4), slice(2, 6)):
+        assert takes_band(q, k, v[..., cols], 3)
+        part = F.shaw_attention(q, k, v[..., cols], rk, rv[:, cols], max_relative_position=3)
+        torch.testing.assert_close(got[..., cols], part, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("B,H", [(0, 2), (1, 0)])
+def test_empty_batch_or_heads(B, H):
+    q, k, v, rk, rv = inputs(1, B, H, 130, 4, 3, True, requires_grad=True)
+    out = F.shaw_attention(q, k, v, rk, rv, max_relative_position=3)
+    assert out.shape == (B, H, 130, 4)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_banded_refuses_double_backward_instead_of_answering_wrong(banded_from_any_length):
+    q, k, v, rk, rv = inputs(2, 1, 1, 9, 3, 2, True, requires_grad=True)
+    (dq,) = torch.autograd.grad(F.shaw_attention(q, k, v, rk, rv, max_relative_position=2).sum(), q,
+                                create_graph=True)
+    with pytest.raises(RuntimeError):  # the backward is marked once_differentiable
+        dq.pow(2).sum().backward()

@@ -98,3 +98,46 @@ def test_chunked_never_forms_a_query_by_key_tensor(causal):
         F.transformer_xl_attention(*leaves, is_causal=causal).sum().backward()
     assert seen.largest <= B * H * 256 * (2 * n), seen.largest
     assert seen.largest < B * H * n * n
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_strided_head_dim_matches_contiguous(causal):
+    _, q, k, v, r, u, w = txl_inputs(17, 1, 2, 6, 9, 4, 9 if causal else 14)
+    strided = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v)]
+    assert strided[0].stride(-1) != 1
+    got = F.transformer_xl_attention(*strided, r, u, w, is_causal=causal)
+    torch.testing.assert_close(got, F.transformer_xl_attention(q, k, v, r, u, w, is_causal=causal), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("B,H", [(0, 2), (1, 0)])
+def test_empty_batch_or_heads(B, H):
+    _, q, k, v, r, u, w = txl_inputs(18, B, H, 5, 5, 4, 5)
+    q.requires_grad_(True)
+    out = F.transformer_xl_attention(q, k, v, r, u, w)
+    assert out.shape == (B, H, 5, 4)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 4, 6), (4, 6), (1, 1, 1, 6)])
+def test_float_mask_gets_its_gradient(small_chunks, shape):
+    """An additive float mask that requires grad receives dS, summed over its broadcast dims: checked
+    against autograd through an independent gather-based formulation of the same scores."""
+    small_chunks(3)
+    B, H, Q, M, D = 2, 2, 4, 2, 3
+    K = Q + M
+    g, q, k, v, r, u, w = txl_inputs(19, B, H, Q, K, D, K + Q - 1)
+    mask = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    out = F.transformer_xl_attention(q, k, v, r, u, w, attention_mask=mask, is_causal=False)
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (got,) = torch.autograd.grad((out * weights).sum(), mask)
+    ref_mask = mask.detach().clone().requires_grad_(True)
+    # r[t] holds distance K-1-t; query i (position M+i) meets key j at distance M+i-j
+    t = (K - 1) - (M + torch.arange(Q)[:, None] - torch.arange(K)[None, :])
+    position = torch.einsum("bhid,hijd->bhij", q + w[:, None], r[:, t])
+    scores = (torch.einsum("bhid,bhjd->bhij", q + u[:, None], k) + position) / D**0.5 + ref_mask
+    want_out = torch.softmax(scores, -1) @ v
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    (want,) = torch.autograd.grad((want_out * weights).sum(), ref_mask)
+    assert got.shape == mask.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
