@@ -543,7 +543,8 @@ def _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_le
     )
 
 
-_SHAW_BAND_MIN_LENGTH = 128  # below this the gathered [B, H, n, n] form is as fast
+# Below this the gathered [B, H, n, n] form is faster on CPU (scripts/bench_shaw_band.py measures the crossover).
+_SHAW_BAND_MIN_LENGTH = 512
 
 
 def shaw_attention(

@@ -1,9 +1,9 @@
 """The band decomposition of Shaw attention (``functional._ShawBanded``) against the loop oracles.
 
 ``shaw_attention`` takes this path on CPU for self-attention without mask, cache or dropout once
-the sequence is ``_SHAW_BAND_MIN_LENGTH`` long. The tests lower that threshold so that the oracles
-(explicit per-(i, j) float64 loops from the contract's formula) stay fast, and check every case
-really took the banded path.
+the sequence is ``_SHAW_BAND_MIN_LENGTH`` long (512). The tests lower that threshold so that the
+oracles (explicit per-(i, j) float64 loops from the contract's formula) stay fast, and check every
+case really took the banded path.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ def test_banded_gradcheck(banded_from_any_length, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_band_wider_than_a_block_matches_gathered_form(monkeypatch, causal):
-    """k = 70 > the band's block size (64), n = 200 (not a multiple of it): the banded path at the
-    default threshold against the gathered form (itself checked against the oracles elsewhere)."""
+def test_band_wider_than_a_block_matches_gathered_form(banded_from_any_length, monkeypatch, causal):
+    """k = 70 > the band's block size (64), n = 200 (not a multiple of it): the banded path against
+    the gathered form (itself checked against the oracles elsewhere)."""
     q, k, v, rk, rv = inputs(5, 1, 2, 200, 8, 70, True, requires_grad=True)
     assert takes_band(q, k, v, 70)
     leaves = (q, k, v, rk, rv)
@@ -95,7 +95,7 @@ def test_band_wider_than_a_block_matches_gathered_form(monkeypatch, causal):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_banded_low_precision_close_to_float64_oracle(dtype, atol):
+def test_banded_low_precision_close_to_float64_oracle(banded_from_any_length, dtype, atol):
     n, kk = 160, 8
     q, k, v, rk, rv = inputs(9, 1, 2, n, 16, kk, True, dtype=dtype)
     assert takes_band(q, k, v, kk)
@@ -140,7 +140,7 @@ def test_banded_never_forms_a_query_by_key_tensor(causal):
     assert seen.largest >= B * H * (n - 1) * n
 
 
-def test_banded_bfloat16_gradients_close_to_float64():
+def test_banded_bfloat16_gradients_close_to_float64(banded_from_any_length):
     n, kk = 160, 8
     q, k, v, rk, rv = inputs(21, 1, 2, n, 16, kk, True, dtype=torch.bfloat16, requires_grad=True)
     assert takes_band(q, k, v, kk)
@@ -155,7 +155,7 @@ def test_banded_bfloat16_gradients_close_to_float64():
         assert err < 2e-2, (name, err.item())
 
 
-def test_model_takes_the_band_and_matches_the_gathered_form(monkeypatch):
+def test_model_takes_the_band_and_matches_the_gathered_form(banded_from_any_length, monkeypatch):
     """A Shaw model on 160 tokens (no padding): the banded path gives the outputs and gradients of
     the gathered form."""
     from hf_relpos import RelPosConfig, RelPosModel
@@ -189,7 +189,7 @@ def test_model_takes_the_band_and_matches_the_gathered_form(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_banded_accepts_a_strided_head_dim(causal):
+def test_banded_accepts_a_strided_head_dim(banded_from_any_length, causal):
     """q, k, v whose last dim is not contiguous (transposed views): the raw fused kernel reads unit strides."""
     q, k, v, rk, rv = inputs(31, 1, 2, 130, 4, 3, True)
     strided = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k, v)]
@@ -199,7 +199,7 @@ def test_banded_accepts_a_strided_head_dim(causal):
                                rtol=0, atol=1e-12)
 
 
-def test_values_with_their_own_head_size_take_the_gathered_form():
+def test_values_with_their_own_head_size_take_the_gathered_form(banded_from_any_length):
     """v_head_dim != head_dim is allowed by the contract; the fused kernel needs one head size."""
     g = torch.Generator().manual_seed(8)
     q, k = (torch.randn(1, 2, 130, 4, generator=g, dtype=torch.float64) for _ in range(2))
@@ -216,7 +216,7 @@ def test_values_with_their_own_head_size_take_the_gathered_form():
 
 
 @pytest.mark.parametrize("B,H", [(0, 2), (1, 0)])
-def test_empty_batch_or_heads(B, H):
+def test_empty_batch_or_heads(banded_from_any_length, B, H):
     q, k, v, rk, rv = inputs(1, B, H, 130, 4, 3, True, requires_grad=True)
     out = F.shaw_attention(q, k, v, rk, rv, max_relative_position=3)
     assert out.shape == (B, H, 130, 4)
