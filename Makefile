@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench bench-thp
+.PHONY: run test setup clean demo-biases bench bench-thp bench-shaw-band
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ bench: $(STAMP)
 # The effect of THP_MEM_ALLOC_ENABLE=1 on training steps (writes results/bench-cpu-thp.md).
 bench-thp: $(STAMP)
 	$(PY) scripts/bench_thp.py
+
+# Shaw attention alone: where the band decomposition beats the gathered form (results/bench-shaw-band.md).
+bench-shaw-band: $(STAMP)
+	$(PY) scripts/bench_shaw_band.py
 
 # What each scheme adds to attention, printed for a small example.
 demo-biases: $(STAMP)
