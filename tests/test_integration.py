@@ -30,6 +30,7 @@ from hf_relpos import (
     RelPosForSequenceClassification,
     RelPosModel,
 )
+from tiny import tiny_config as shared_tiny_config
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -57,22 +58,7 @@ REMOTE_ENCODINGS = POSITION_ENCODINGS  # all eight; t5_bias, shaw, transformer_x
 
 
 def tiny_config(position_encoding="t5_bias", **overrides) -> RelPosConfig:
-    kwargs = dict(
-        position_encoding=position_encoding,
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        relative_attention_num_buckets=16,
-        relative_attention_max_distance=32,
-        max_relative_position=4,
-        # a wider init than 0.02 so that random models give varied, non-degenerate outputs
-        initializer_range=0.3,
-    )
-    kwargs.update(overrides)
-    return RelPosConfig(**kwargs)
+    return shared_tiny_config(position_encoding, **{"vocab_size": VOCAB, **overrides})
 
 
 def make_model(cls, position_encoding="t5_bias", seed=0, **overrides):

@@ -35,6 +35,7 @@ from hf_relpos import (
     RelPosForSequenceClassification,
     RelPosModel,
 )
+from tiny import tiny_config as shared_tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 torch.set_num_threads(1)
@@ -65,22 +66,7 @@ AUTOCAST_GRAD_RTOL = 0.15
 
 
 def tiny_config(position_encoding: str, **overrides) -> RelPosConfig:
-    kwargs = dict(
-        position_encoding=position_encoding,
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        relative_attention_num_buckets=16,
-        relative_attention_max_distance=32,
-        max_relative_position=4,
-        initializer_range=0.3,  # wider than 0.02 so that random models give varied outputs
-        pad_token_id=PAD,
-    )
-    kwargs.update(overrides)
-    return RelPosConfig(**kwargs)
+    return shared_tiny_config(position_encoding, **{"vocab_size": VOCAB, "pad_token_id": PAD, **overrides})
 
 
 def make(cls, position_encoding: str, impl: str = "sdpa", seed: int = 0, **overrides):

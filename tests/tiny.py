@@ -1,0 +1,22 @@
+"""The tiny random model configuration shared by the integration and reliability tests."""
+
+from hf_relpos import RelPosConfig
+
+
+def tiny_config(position_encoding: str, *, vocab_size: int, **overrides) -> RelPosConfig:
+    kwargs = dict(
+        position_encoding=position_encoding,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        relative_attention_num_buckets=16,
+        relative_attention_max_distance=32,
+        max_relative_position=4,
+        # a wider init than 0.02 so that random models give varied, non-degenerate outputs
+        initializer_range=0.3,
+    )
+    kwargs.update(overrides)
+    return RelPosConfig(**kwargs)
