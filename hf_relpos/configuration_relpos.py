@@ -10,6 +10,10 @@ POSITION_ENCODINGS = ("t5_bias", "shaw", "transformer_xl", "log_decay", "alibi",
 HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class RelPosConfig(PreTrainedConfig):
     r"""Configuration of a pre-norm Transformer whose attention uses one of hf_relpos' position schemes.
 
@@ -27,6 +31,8 @@ class RelPosConfig(PreTrainedConfig):
       (up to ``max_position_embeddings``).
 
     ``is_decoder=True`` (the default) makes attention causal; ``False`` makes it bidirectional.
+    ``sliding_window=W`` lets each query attend only to the ``W`` latest positions (itself included), in
+    the model's masks and in Transformers' caches; Transformer-XL with memory sets it to ``mem_len + 1``.
 
     Example:
 
@@ -55,6 +61,7 @@ class RelPosConfig(PreTrainedConfig):
     shaw_value_embeddings: bool = True
     mem_len: int = 0
     clamp_len: int = -1
+    sliding_window: int | None = None
     log_decay_scale: float = 1.0
     rope_theta: float = 10000.0
     is_decoder: bool = True
@@ -70,6 +77,10 @@ class RelPosConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 1
 
     def __post_init__(self, **kwargs):
+        if self.sliding_window is None and self.position_encoding == "transformer_xl" and _is_int(self.mem_len):
+            # Transformer-XL decodes with a sliding memory of mem_len past positions: Transformers' caches
+            # read this field to keep mem_len keys per layer (the window counts the query itself, hence + 1).
+            self.sliding_window = self.mem_len + 1 if self.mem_len > 0 else None
         self._validate_fields()
         super().__post_init__(**kwargs)
 
@@ -154,6 +165,14 @@ class RelPosConfig(PreTrainedConfig):
                 f"RelPosConfig.mem_len must be 0 unless position_encoding='transformer_xl', got mem_len={self.mem_len} "
                 f"with position_encoding={self.position_encoding!r}"
             )
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"RelPosConfig.sliding_window must be None or an int >= 1, got {window!r}")
+        if self.position_encoding == "transformer_xl" and self.mem_len > 0 and window != self.mem_len + 1:
+            raise ValueError(
+                f"RelPosConfig.sliding_window must be mem_len + 1 = {self.mem_len + 1} for transformer_xl with "
+                f"mem_len={self.mem_len} (its decoding memory is that window), got {window!r}"
+            )
         positive_float("log_decay_scale")
         positive_float("rope_theta")
         positive_float("rms_norm_eps")
@@ -185,18 +204,6 @@ class RelPosConfig(PreTrainedConfig):
     def validate_architecture(self):
         """Called by Transformers' strict validation (e.g. on save): re-check every field."""
         self._validate_fields()
-
-    @property
-    def sliding_window(self) -> int | None:
-        """Transformer-XL with memory decodes with a sliding memory of ``mem_len`` past positions.
-
-        Transformers' ``DynamicCache(config=...)`` reads this to keep ``mem_len`` keys per layer (the window
-        counts the query itself, hence ``+ 1``); the model applies the same window to uncached forwards
-        without ``mems``.
-        """
-        if self.position_encoding == "transformer_xl" and self.mem_len > 0:
-            return self.mem_len + 1
-        return None
 
     @property
     def head_dim(self) -> int:

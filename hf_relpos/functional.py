@@ -559,7 +559,8 @@ def shaw_attention(
     is_causal: bool = False,
     past_length: int = 0,
     dropout_p: float = 0.0,
-) -> torch.Tensor:
+    need_weights: bool = False,
+):
     """Self-attention with relative position representations (Shaw et al. 2018, eqs. 3-5).
 
     With ``r_ij = clamp(j - (past_length + i), -k, k) + k``:
@@ -571,6 +572,9 @@ def shaw_attention(
     (:class:`_ShawBanded`), so no ``[B, H, Q, K]`` tensor is formed either. Otherwise the key term is
     ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``) gathered by ``r_ij``, and the value term sums ``a`` per
     clipped distance (``[B, H, Q, 2k+1]``) and multiplies by ``rel_v``.
+
+    With ``need_weights=True`` returns ``(z, a)``: the probabilities ``a`` ``[B, H, Q, K]`` (after
+    dropout, zeros for a query with no key left) come from the gathered form, which materialises them.
     """
     _check_qkv(q, k, v)
     max_relative_position = _check_int("max_relative_position", max_relative_position)
@@ -594,7 +598,7 @@ def shaw_attention(
     K = k.shape[2]
     _check_mask(attention_mask, (B, H, Q, K))
 
-    if _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p):
+    if not need_weights and _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p):
         q, k, v = _unit_stride(q, k, v)
         return _ShawBanded.apply(q, k, v, rel_k, rel_v, max_relative_position, is_causal, 1.0 / math.sqrt(D), 64)
 
@@ -617,7 +621,7 @@ def shaw_attention(
         per_distance = torch.zeros(B, H, Q, n_rel, dtype=probs.dtype, device=probs.device)
         per_distance = per_distance.scatter_add(-1, rel_index, probs)
         out = out + per_distance @ rel_v.to(v.dtype)
-    return out
+    return (out, probs) if need_weights else out
 
 
 # ----------------------------------------------------------------------------------
@@ -768,7 +772,8 @@ def transformer_xl_attention(
     attention_mask: Optional[torch.Tensor] = None,
     is_causal: bool = True,
     dropout_p: float = 0.0,
-) -> torch.Tensor:
+    need_weights: bool = False,
+):
     """Transformer-XL relative attention (Dai et al. 2019, eq. in sec. 3.3).
 
     ``e_ij = ((q_i + u)·k_j + (q_i + w)·r[d = (M+i) - j]) / sqrt(D)`` where the ``K`` keys are
@@ -776,7 +781,11 @@ def transformer_xl_attention(
     (projected relative embeddings ``W_{k,R} R_d``, distances descending from ``K-1``); ``u`` and
     ``w`` (the paper's ``v``) are ``[H, D]``. Terms (b)+(d) are one matmul with ``q + w`` followed by
     the relative shift; that score matrix is an additive bias for the fused attention of ``q + u``
-    against the keys (terms (a)+(c)), through :func:`attention_with_bias`: O(Q·K) work and memory.
+    against the keys (terms (a)+(c)), in chunks of query rows (:class:`_TransformerXLAttention`).
+
+    With ``need_weights=True`` (or dropout) the scores are formed explicitly; then it returns
+    ``(z, a)`` with the probabilities ``a`` ``[B, H, Q, K]`` (after dropout, zeros for a query with
+    no key left).
     """
     _check_qkv(q, k, v)
     dropout_p = _check_dropout(dropout_p)
@@ -798,11 +807,11 @@ def transformer_xl_attention(
             raise ValueError(f"{name} must have shape [heads, head_dim] = [{H}, {D}], got {tuple(bias.shape)}")
     _check_mask(attention_mask, (B, H, Q, K))
 
-    if Q == 0 or B * H == 0:  # nothing to attend (the fused CPU kernel divides by the head count)
+    if (Q == 0 or B * H == 0) and not need_weights:  # nothing to attend (the fused CPU kernel divides by the head count)
         return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * sum(t.sum() for t in (q, k, v, r, u, w))
     scale = 1.0 / math.sqrt(D)
     user_mask = _additive_mask(attention_mask, None)
-    if dropout_p == 0.0:
+    if dropout_p == 0.0 and not need_weights:
         q, k, v = _unit_stride(q, k, v)
         return _TransformerXLAttention.apply(q, k, v, r, u, w, user_mask, is_causal, scale, _TXL_CHUNK)
     M = K - Q
@@ -810,8 +819,11 @@ def transformer_xl_attention(
     content = (q + u[:, None, :].to(q.dtype)) @ k.transpose(-1, -2)  # terms (a) + (c)
     position = (q + w[:, None, :].to(q.dtype)) @ r.to(q.dtype).transpose(-1, -2)  # terms (b) + (d)
     probs = _masked_softmax((content + _rel_shift(position, K)) * scale, _additive_mask(attention_mask, causal))
-    probs = F.dropout(probs, p=dropout_p, training=True)
-    return probs.to(v.dtype) @ v
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    probs = probs.to(v.dtype)
+    out = probs @ v
+    return (out, probs) if need_weights else out
 
 
 def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:

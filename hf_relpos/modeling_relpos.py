@@ -12,7 +12,7 @@ per-forward term once, and hands both to every layer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,10 +23,13 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, SequenceClassifierOutput
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.processing_utils import Unpack
+from transformers.utils.generic import TransformersKwargs, can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_relpos import RelPosConfig
 from .functional import (
@@ -48,22 +51,30 @@ SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 # ----------------------------------------------------------------------------------
 
 
+class _MemsLast:
+    """``to_tuple`` in the order of the fields (``mems`` last), as upstream tuples are, even when
+    ``capture_outputs`` fills ``hidden_states`` and ``attentions`` after the output was built."""
+
+    def to_tuple(self) -> tuple:
+        return tuple(self[f.name] for f in fields(self) if self.get(f.name) is not None)
+
+
 @dataclass
-class RelPosModelOutput(BaseModelOutputWithPast):
+class RelPosModelOutput(_MemsLast, BaseModelOutputWithPast):
     """``BaseModelOutputWithPast`` plus Transformer-XL's ``mems``."""
 
     mems: Optional[list] = None
 
 
 @dataclass
-class RelPosCausalLMOutput(CausalLMOutputWithPast):
+class RelPosCausalLMOutput(_MemsLast, CausalLMOutputWithPast):
     """``CausalLMOutputWithPast`` plus Transformer-XL's ``mems``."""
 
     mems: Optional[list] = None
 
 
 @dataclass
-class RelPosSequenceClassifierOutput(SequenceClassifierOutput):
+class RelPosSequenceClassifierOutput(_MemsLast, SequenceClassifierOutput):
     """``SequenceClassifierOutput`` plus Transformer-XL's ``mems``."""
 
     mems: Optional[list] = None
@@ -139,7 +150,9 @@ class PositionContext:
     Queries sit at absolute positions ``q_offset + i`` (or ``position_ids``); the ``key_length`` keys
     the layers attend to (memory + cache + current) start at absolute position ``q_offset - past_length``.
     ``mask`` is a bool ``[B, 1, Q, K]`` (True = may attend) or None when nothing is masked beyond
-    causality, which ``causal`` states.
+    causality, which ``causal`` states; ``alive`` is ``[B, 1, Q, 1]``, the query rows with a key left
+    (None: all of them). ``attn_implementation`` is ``"eager"`` whenever the layers must return
+    their attention probabilities (``output_attentions``), which only a materialising path has.
     """
 
     query_length: int
@@ -150,6 +163,8 @@ class PositionContext:
     mask: Optional[torch.Tensor]
     position_ids: torch.Tensor
     attn_implementation: str
+    output_attentions: bool
+    alive: Optional[torch.Tensor]
     # The model-level scheme, referenced here rather than passed to layers as a module argument: device
     # hooks (accelerate) would otherwise move its weights on every call.
     scheme: "PositionScheme"
@@ -157,7 +172,7 @@ class PositionContext:
     def to(self, device, non_blocking: bool = False) -> "PositionContext":
         """Called by accelerate's hooks when a layer sits on another device."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return replace(self, mask=move(self.mask), position_ids=move(self.position_ids))
+        return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive))
 
     def causal_mask(self, device) -> torch.Tensor:
         """[1, 1, Q, K] bool: key j is at or before the query's position."""
@@ -176,6 +191,13 @@ class PositionContext:
             mask = filled[None, None, None] if mask is None else mask & filled
         return mask
 
+    def live_rows(self, device) -> Optional[torch.Tensor]:
+        """``[B, 1, Q, 1]`` bool: query rows with at least one visible key, or None when every row has one."""
+        if self.mask is None:  # causality and a static cache's fill always leave a query its own key
+            return None
+        alive = self.full_mask(device).any(dim=-1, keepdim=True)
+        return None if bool(alive.all()) else alive
+
 
 class PositionScheme(nn.Module):
     """A position scheme answers four questions; the default answer is "nothing".
@@ -184,8 +206,9 @@ class PositionScheme(nn.Module):
     - ``forward``: the per-forward term, computed once for the new query rows against all keys and
       handed to every layer (a bias merged into the mask, RoPE's cos/sin, Transformer-XL's distances);
     - ``rotate``: what it does to queries and keys before the cache (RoPE);
-    - ``attend``: the attention call; the default runs Transformers' attention interface with the
-      term as the mask, so an additive bias rides in SDPA's fused kernel.
+    - ``attend``: the attention call, returning the output ``[B, Q, H, D]`` and the probabilities
+      ``[B, H, Q, K]`` when ``ctx.output_attentions`` (else None); the default runs Transformers'
+      attention interface with the term as the mask, so an additive bias rides in SDPA's fused kernel.
 
     Per-layer parameters (Shaw's embeddings, Transformer-XL's ``W_{k,R}``, ``u``, ``v``) come from
     ``layer_module`` and live in each attention module as ``relative``.
@@ -217,10 +240,10 @@ class PositionScheme(nn.Module):
     def rotate(self, query, key, term, ctx):
         return query, key
 
-    def attend(self, attn: "RelPosAttention", query, key, value, term, ctx: PositionContext) -> torch.Tensor:
-        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    def attend(self, attn: "RelPosAttention", query, key, value, term, ctx: PositionContext):
+        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
         mask = term if isinstance(term, torch.Tensor) else None
-        out, _ = interface(
+        out, weights = interface(
             attn,
             query,
             key,
@@ -230,41 +253,39 @@ class PositionScheme(nn.Module):
             scaling=attn.scaling,
             is_causal=ctx.causal and mask is None,
         )
-        return out
+        return out, weights
 
 
 class AdditiveBiasScheme(PositionScheme):
     """A scheme whose whole position term is an additive ``[1, H, Q, K]`` bias.
 
     The bias is computed once per forward and merged with the mask into one float tensor
-    (masked entries at the dtype's minimum) that every layer passes to the kernel as its mask.
+    (masked entries at the dtype's minimum) that every layer passes to the kernel as its mask. That
+    tensor is the whole per-forward term, so that it reaches the layers as a positional tensor, which
+    reentrant activation checkpointing needs to carry a trained bias's gradient back to its table.
     """
 
     def bias(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, ctx: PositionContext, device, dtype):
-        """The bias merged with the mask, and ``[B, 1, Q, 1]`` rows that have a key left (None: all)."""
+    def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
+        """The bias merged with the mask: ``[B|1, H, Q, K]``."""
         bias = self.bias(ctx, device, dtype).to(dtype)
         mask = ctx.full_mask(device)
-        if mask is None:
-            return bias, None
-        alive = mask.any(dim=-1, keepdim=True)
-        return torch.where(mask, bias, torch.finfo(dtype).min), (None if bool(alive.all()) else alive)
+        return bias if mask is None else torch.where(mask, bias, torch.finfo(dtype).min)
 
-    def attend(self, attn, query, key, value, term, ctx):
-        bias, alive = term
+    def attend(self, attn, query, key, value, bias, ctx):
         dropout = attn.attention_dropout if attn.training else 0.0
         if ctx.attn_implementation == "sdpa" and bias.requires_grad and dropout == 0.0 and query.is_cpu:
             # A trained bias (T5's) would push CPU SDPA onto its slow math path: keep the fused kernel.
-            out = attention_with_bias(query, key, value, bias, scale=attn.scaling).transpose(1, 2)
+            out, weights = attention_with_bias(query, key, value, bias, scale=attn.scaling).transpose(1, 2), None
         else:
-            out = super().attend(attn, query, key, value, bias, ctx)
-        if alive is not None:
+            out, weights = super().attend(attn, query, key, value, bias, ctx)
+        if ctx.alive is not None:
             # A query with no key left (padding) gives zeros under every kernel, as in plain SDPA: the
             # finfo.min entries of the merged bias would otherwise average the masked values.
-            out = out * alive.transpose(1, 2)
-        return out
+            out = out * ctx.alive.transpose(1, 2)
+        return out, weights
 
 
 class T5BiasScheme(AdditiveBiasScheme):
@@ -417,8 +438,10 @@ class ShawScheme(PositionScheme):
             is_causal=ctx.causal,
             past_length=ctx.past_length,
             dropout_p=attn.attention_dropout if attn.training else 0.0,
+            need_weights=ctx.output_attentions,
         )
-        return out.transpose(1, 2)
+        out, weights = out if ctx.output_attentions else (out, None)
+        return out.transpose(1, 2), weights
 
 
 class TransformerXLRelative(nn.Module):
@@ -520,8 +543,10 @@ class TransformerXLScheme(PositionScheme):
             attention_mask=ctx.mask,
             is_causal=ctx.causal,
             dropout_p=attn.attention_dropout if attn.training else 0.0,
+            need_weights=ctx.output_attentions,
         )
-        return out.transpose(1, 2)
+        out, weights = out if ctx.output_attentions else (out, None)
+        return out.transpose(1, 2), weights
 
 
 POSITION_SCHEMES: dict[str, type[PositionScheme]] = {
@@ -564,7 +589,7 @@ class RelPosAttention(nn.Module):
         ctx: PositionContext,
         memory: Optional[torch.Tensor] = None,
         past_key_values: Optional[Cache] = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         scheme = ctx.scheme
         batch, length, _ = hidden_states.shape
         shape = (batch, -1, self.num_heads, self.head_dim)
@@ -576,8 +601,8 @@ class RelPosAttention(nn.Module):
         query, key = scheme.rotate(query, key, term, ctx)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        out = scheme.attend(self, query, key, value, term, ctx)
-        return self.o_proj(out.reshape(batch, length, -1))
+        out, weights = scheme.attend(self, query, key, value, term, ctx)
+        return self.o_proj(out.reshape(batch, length, -1)), weights
 
 
 class RelPosDecoderLayer(GradientCheckpointingLayer):
@@ -599,7 +624,7 @@ class RelPosDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         residual = hidden_states
         normed_memory = None if memory is None else self.input_layernorm(memory)
-        hidden_states = self.self_attn(
+        hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states), term, ctx, normed_memory, past_key_values
         )
         hidden_states = residual + self.dropout(hidden_states)
@@ -631,6 +656,16 @@ class RelPosPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _can_compile_fullgraph = False
+    # Transformers' `capture_outputs` records these modules' outputs for `output_hidden_states` (each
+    # layer's input, then the final normed state) and `output_attentions` (the attention's second output).
+    _can_record_outputs = {"hidden_states": RelPosDecoderLayer, "attentions": RelPosAttention}
+
+    @property
+    def supports_context_parallel(self) -> bool:
+        """Context parallelism shards the sequence and keeps only a plain causal mask: a position term
+        in attention (a bias over global distances, Shaw's and Transformer-XL's terms) or a window would
+        be dropped. Only schemes that act before attention, on position ids, survive it."""
+        return self.config.position_encoding in ("rope", "sinusoidal", "learned") and self.config.sliding_window is None
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -808,6 +843,7 @@ class RelPosModel(RelPosPreTrainedModel):
             raise ValueError(f"position_ids must be [batch, seq_len={length}], got shape {tuple(position_ids.shape)}")
         return batch, length, past, mem_length
 
+    @capture_outputs
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -817,11 +853,12 @@ class RelPosModel(RelPosPreTrainedModel):
         inputs_embeds: Optional[torch.FloatTensor] = None,
         use_cache: Optional[bool] = None,
         mems: Optional[list] = None,
-        output_hidden_states: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> RelPosModelOutput:
+        """``output_attentions``, ``output_hidden_states`` and ``return_dict`` (call arguments or config
+        fields) are served by Transformers' ``capture_outputs``. Packed sequences (one row of documents
+        whose ``position_ids`` restart at 0, or the ``cu_seq_lens_q`` / ``seq_idx`` kwargs of
+        ``DataCollatorWithFlattening``) attend only within their document."""
         config = self.config
         impl = config._attn_implementation or "eager"
         if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
@@ -834,6 +871,8 @@ class RelPosModel(RelPosPreTrainedModel):
         batch, length, past, mem_length = self._check_inputs(
             input_ids, inputs_embeds, attention_mask, past_key_values, mems, position_ids
         )
+        output_attentions = kwargs.get("output_attentions")
+        output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
         if mems is not None and config.mem_len and use_cache and past_key_values is None:
             use_cache = False  # Transformer-XL memory replaces the cache within a forward with mems
         if use_cache and past_key_values is None:
@@ -849,6 +888,7 @@ class RelPosModel(RelPosPreTrainedModel):
             kv_length, kv_offset = past_key_values.get_mask_sizes(length, 0)
         else:
             q_offset, kv_length, kv_offset = 0, length, 0
+        user_position_ids = position_ids is not None
         if position_ids is None:
             position_ids = (torch.arange(length, device=device) + q_offset)[None]
         if isinstance(self.position, AbsoluteScheme) and length and not torch.compiler.is_compiling():
@@ -861,6 +901,21 @@ class RelPosModel(RelPosPreTrainedModel):
                 )
 
         mask = self._bool_mask(inputs_embeds, attention_mask, past_key_values, position_ids, mem_length)
+        # As Transformers' masks do, position_ids tell packed documents apart only in a forward with nothing
+        # else to go by: no padding mask, no past (generate's position_ids for left padding also restart).
+        fresh = q_offset == 0 and kv_length == length and not mem_length
+        unpadded = attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
+        documents = self._documents(
+            kwargs, position_ids if user_position_ids and fresh and unpadded else None, batch, length, device
+        )
+        if documents is not None and not (fresh and unpadded):
+            raise ValueError(
+                "cu_seq_lens_q / seq_idx (packed sequences) need a forward without past_key_values, mems or an "
+                "attention_mask with padding"
+            )
+        if documents is not None:
+            same = (documents[:, :, None] == documents[:, None, :])[:, None]
+            mask = same if mask is None else mask & same
         if config.sliding_window is not None and mems is None:
             # Without explicit mems, Transformer-XL keeps a sliding memory of mem_len past positions, so that
             # cached decoding (a sliding cache) and uncached forwards see the same keys.
@@ -876,33 +931,51 @@ class RelPosModel(RelPosPreTrainedModel):
             causal=config.is_decoder,
             mask=mask,
             position_ids=position_ids,
-            attn_implementation=impl,
+            # Attention probabilities exist only on the materialising (eager) paths: take them when asked.
+            attn_implementation="eager" if output_attentions else impl,
+            output_attentions=output_attentions,
+            alive=None,
             scheme=self.position,
         )
+        ctx.alive = ctx.live_rows(device)
 
         hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
         term = self.position(ctx, device, hidden_states.dtype)
 
-        all_hidden_states = () if output_hidden_states else None
         new_mems = [] if config.mem_len > 0 else None
         for layer_idx, layer in enumerate(self.layers):
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
             memory = mems[layer_idx] if mems is not None else None
             if new_mems is not None:
                 new_mems.append(self._update_memory(memory, hidden_states))
-            hidden_states = layer(
-                hidden_states, term, ctx=ctx, memory=memory, past_key_values=past_key_values
-            )
+            # hidden_states and the term positionally: reentrant checkpointing carries gradients only for those.
+            hidden_states = layer(hidden_states, term, ctx=ctx, memory=memory, past_key_values=past_key_values)
         hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
         return RelPosModelOutput(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
-            hidden_states=all_hidden_states,
             mems=new_mems,
         )
+
+    @staticmethod
+    def _documents(kwargs, position_ids, batch, length, device) -> Optional[torch.Tensor]:
+        """``[B, Q]`` document index of each token of a packed row, or None when the rows are not packed."""
+        cu_seq_lens = kwargs.get("cu_seq_lens_q")
+        if cu_seq_lens is not None:
+            if batch != 1 or int(cu_seq_lens[-1]) != length:
+                raise ValueError(
+                    f"cu_seq_lens_q must hold cumulative document lengths ending at seq_len={length} of one packed "
+                    f"row (batch 1), got {cu_seq_lens.tolist()} with batch={batch}"
+                )
+            token = torch.arange(length, device=device)
+            return torch.searchsorted(cu_seq_lens[1:].to(device), token, right=True)[None]
+        if kwargs.get("seq_idx") is not None:
+            seq_idx = kwargs["seq_idx"].to(device)
+            if tuple(seq_idx.shape) != (batch, length):
+                raise ValueError(f"seq_idx must be [batch={batch}, seq_len={length}], got {tuple(seq_idx.shape)}")
+            return seq_idx
+        if position_ids is None or length < 2:
+            return None
+        return find_packed_sequence_indices(position_ids.expand(batch, -1))
 
     def _update_memory(self, memory: Optional[torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         """Dai et al.'s memory: the last ``mem_len`` inputs of this layer, cut from the graph."""
@@ -970,6 +1043,7 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -980,10 +1054,11 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         mems: Optional[list] = None,
-        output_hidden_states: Optional[bool] = None,
-        logits_to_keep: int = 0,
-        **kwargs,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> RelPosCausalLMOutput:
+        """Every keyword argument reaches the model and Transformers' loss (``shift_labels``,
+        ``num_items_in_batch``, ``ignore_index``, ...); a loss is computed from ``labels`` or ``shift_labels``."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -992,20 +1067,19 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             mems=mems,
-            output_hidden_states=output_hidden_states,
+            return_dict=True,  # the head builds its own output (a tuple when asked for, by can_return_tuple)
+            **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
-        if labels is not None:
-            if labels.shape != logits.shape[:2]:
-                raise ValueError(f"labels must be [batch, seq_len] = {list(logits.shape[:2])}, got {tuple(labels.shape)}")
-            loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.vocab_size,
-                num_items_in_batch=kwargs.get("num_items_in_batch"),
-            )
+        if labels is not None or kwargs.get("shift_labels") is not None:
+            for name in ("labels", "shift_labels"):
+                target = labels if name == "labels" else kwargs[name] if name in kwargs else None
+                if target is not None and target.shape != logits.shape[:2]:
+                    raise ValueError(
+                        f"{name} must be [batch, seq_len] = {list(logits.shape[:2])}, got {tuple(target.shape)}"
+                    )
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
             if not torch.isfinite(loss):  # every label ignored: no signal, not NaN
                 loss = logits.sum() * 0.0
         return RelPosCausalLMOutput(
@@ -1013,6 +1087,7 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             mems=outputs.mems,
         )
 
@@ -1022,7 +1097,8 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
         # decoding memory is the (sliding) KV cache, so never feed mems back as past_key_values.
         model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
         if isinstance(model_kwargs.get("past_key_values"), list):
-            model_kwargs["past_key_values"] = None
+            # Removed, not set to None: beam search reorders any cache it finds among the kwargs.
+            del model_kwargs["past_key_values"]
         return model_kwargs
 
 
@@ -1042,6 +1118,7 @@ class RelPosForSequenceClassification(RelPosPreTrainedModel):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -1050,8 +1127,8 @@ class RelPosForSequenceClassification(RelPosPreTrainedModel):
         inputs_embeds: Optional[torch.FloatTensor] = None,
         labels: Optional[torch.LongTensor] = None,
         mems: Optional[list] = None,
-        output_hidden_states: Optional[bool] = None,
-        **kwargs,
+        use_cache: Optional[bool] = None,  # accepted as upstream heads do; classification keeps no cache
+        **kwargs: Unpack[TransformersKwargs],
     ) -> RelPosSequenceClassifierOutput:
         outputs = self.model(
             input_ids=input_ids,
@@ -1060,7 +1137,8 @@ class RelPosForSequenceClassification(RelPosPreTrainedModel):
             inputs_embeds=inputs_embeds,
             use_cache=False,
             mems=mems,
-            output_hidden_states=output_hidden_states,
+            return_dict=True,  # the head builds its own output (a tuple when asked for, by can_return_tuple)
+            **kwargs,
         )
         hidden = outputs.last_hidden_state
         batch, length = hidden.shape[:2]
@@ -1081,7 +1159,8 @@ class RelPosForSequenceClassification(RelPosPreTrainedModel):
         if labels is not None:
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
         return RelPosSequenceClassifierOutput(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, mems=outputs.mems
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            mems=outputs.mems,
         )
 
 

@@ -230,6 +230,7 @@ NON_DEFAULT_FIELDS = dict(
     shaw_value_embeddings=False,
     mem_len=7,
     clamp_len=11,
+    sliding_window=8,  # mem_len + 1, the only window Transformer-XL with memory honours
     log_decay_scale=0.75,
     rope_theta=500.0,
     is_decoder=True,
@@ -303,11 +304,12 @@ def test_eager_matches_sdpa(position_encoding, causal, padding):
     assert_close_where(sdpa, eager, keep, what=f"{position_encoding} sdpa vs eager")
 
 
-def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor, attentions=None) -> torch.Tensor:
     """A slow float64 forward written from the formulas of the contract, one score matrix per head.
 
     Reads the model's weights by name but none of its code paths: the position term of every scheme
-    is built here from the distance matrix ``d[i, j] = j - i`` (key minus query).
+    is built here from the distance matrix ``d[i, j] = j - i`` (key minus query). Each layer's
+    probabilities ``[B, H, L, L]`` are appended to ``attentions`` when a list is given.
     """
     config = model.config
     pe, H, D = config.position_encoding, config.num_attention_heads, config.head_dim
@@ -378,6 +380,8 @@ def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor)
             scores = (content + position) / math.sqrt(D)
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, -1).nan_to_num(0.0)
+        if attentions is not None:
+            attentions.append(probs)
         out = probs @ v
         if pe == "shaw" and attn.relative.rel_v is not None:
             out = out + torch.einsum("bhij,ijd->bhid", probs, attn.relative.rel_v.to(dd)[index])
@@ -919,8 +923,9 @@ def test_t5_table_lives_once(cls):
 
 
 @pytest.mark.filterwarnings("ignore:.*checkpointing.*:FutureWarning")
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("position_encoding", ENCODINGS)
-def test_gradient_checkpointing_same_gradients(position_encoding):
+def test_gradient_checkpointing_same_gradients(position_encoding, use_reentrant):
     model = build(position_encoding).train()
     assert model.config.hidden_dropout == 0 and model.config.attention_dropout == 0
     ids = rand_ids(2, 9, seed=13)
@@ -941,7 +946,9 @@ def test_gradient_checkpointing_same_gradients(position_encoding):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(calls)
 
     loss0, plain, calls0 = grads()
-    model.gradient_checkpointing_enable()
+    # Reentrant checkpointing carries gradients only for tensors passed positionally: T5's shared bias
+    # (computed once, outside the layers) must be one of them, or its table's graph is run twice.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     assert model.is_gradient_checkpointing
     loss1, ckpt, calls1 = grads()
     model.gradient_checkpointing_disable()
