@@ -304,6 +304,32 @@ def test_eager_matches_sdpa(position_encoding, causal, padding):
     assert_close_where(sdpa, eager, keep, what=f"{position_encoding} sdpa vs eager")
 
 
+# Transformers' own tolerances for eager vs sdpa on CPU (test_modeling_common's eager/sdpa inference test).
+HALF_TOLERANCES = {torch.bfloat16: (1e-2, 1e-2), torch.float16: (5e-3, 5e-3)}
+
+
+@pytest.mark.parametrize("dtype", list(HALF_TOLERANCES), ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("position_encoding", ENCODINGS)
+def test_eager_matches_sdpa_half_precision(position_encoding, causal, dtype):
+    # initializer_range 0.02 (Transformers' default) keeps activations in the range half precision is made for
+    model = build(position_encoding, cls=RelPosModel, is_decoder=causal, initializer_range=0.02).to(dtype)
+    B, L = 3, 13
+    ids = rand_ids(B, L)
+    mask = padding_mask(B, L, "left")
+    with torch.no_grad():
+        eager = use_impl(model, "eager")(ids, attention_mask=mask, use_cache=False).last_hidden_state
+        sdpa = use_impl(model, "sdpa")(ids, attention_mask=mask, use_cache=False).last_hidden_state
+    atol, rtol = HALF_TOLERANCES[dtype]
+    if dtype == torch.bfloat16:  # upstream's rule: bf16 keeps ~3 significant digits of the largest output
+        atol = max(atol, 3e-2 * float(torch.maximum(eager.abs().amax(), sdpa.abs().amax())))
+    for row in range(B):  # upstream lets 20% of the rows miss; here every row must match
+        keep = mask[row].bool()
+        assert torch.allclose(sdpa[row, keep].float(), eager[row, keep].float(), atol=atol, rtol=rtol), (
+            f"row {row}: max abs diff {(sdpa[row, keep] - eager[row, keep]).abs().max().item():.3g}, atol {atol:.3g}"
+        )
+
+
 def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor, attentions=None) -> torch.Tensor:
     """A slow float64 forward written from the formulas of the contract, one score matrix per head.
 
