@@ -31,8 +31,9 @@ class RelPosConfig(PreTrainedConfig):
       (up to ``max_position_embeddings``).
 
     ``is_decoder=True`` (the default) makes attention causal; ``False`` makes it bidirectional.
-    ``sliding_window=W`` lets each query attend only to the ``W`` latest positions (itself included), in
-    the model's masks and in Transformers' caches; Transformer-XL with memory sets it to ``mem_len + 1``.
+    ``sliding_window=W`` lets each query attend only to the ``W`` latest positions (itself included;
+    bidirectional: distances up to ``W`` on both sides), in the model's masks and in Transformers' caches;
+    for Transformer-XL with memory it is ``mem_len + 1``.
 
     Example:
 
@@ -61,7 +62,6 @@ class RelPosConfig(PreTrainedConfig):
     shaw_value_embeddings: bool = True
     mem_len: int = 0
     clamp_len: int = -1
-    sliding_window: int | None = None
     log_decay_scale: float = 1.0
     rope_theta: float = 10000.0
     is_decoder: bool = True
@@ -77,10 +77,7 @@ class RelPosConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 1
 
     def __post_init__(self, **kwargs):
-        if self.sliding_window is None and self.position_encoding == "transformer_xl" and _is_int(self.mem_len):
-            # Transformer-XL decodes with a sliding memory of mem_len past positions: Transformers' caches
-            # read this field to keep mem_len keys per layer (the window counts the query itself, hence + 1).
-            self.sliding_window = self.mem_len + 1 if self.mem_len > 0 else None
+        self._window = None
         self._validate_fields()
         super().__post_init__(**kwargs)
 
@@ -165,14 +162,7 @@ class RelPosConfig(PreTrainedConfig):
                 f"RelPosConfig.mem_len must be 0 unless position_encoding='transformer_xl', got mem_len={self.mem_len} "
                 f"with position_encoding={self.position_encoding!r}"
             )
-        window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"RelPosConfig.sliding_window must be None or an int >= 1, got {window!r}")
-        if self.position_encoding == "transformer_xl" and self.mem_len > 0 and window != self.mem_len + 1:
-            raise ValueError(
-                f"RelPosConfig.sliding_window must be mem_len + 1 = {self.mem_len + 1} for transformer_xl with "
-                f"mem_len={self.mem_len} (its decoding memory is that window), got {window!r}"
-            )
+        self._check_window(getattr(self, "_window", None))
         positive_float("log_decay_scale")
         positive_float("rope_theta")
         positive_float("rms_norm_eps")
@@ -204,6 +194,45 @@ class RelPosConfig(PreTrainedConfig):
     def validate_architecture(self):
         """Called by Transformers' strict validation (e.g. on save): re-check every field."""
         self._validate_fields()
+
+    @property
+    def memory_window(self) -> int | None:
+        """Transformer-XL with memory: the window of its sliding decoding memory, ``mem_len + 1`` (the
+        window counts the query itself); None for every other configuration."""
+        if self.position_encoding == "transformer_xl" and _is_int(self.mem_len) and self.mem_len > 0:
+            return self.mem_len + 1
+        return None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Each query sees the ``sliding_window`` latest positions (itself included) when causal, the
+        positions within that distance on both sides when bidirectional (as Transformers' masks do).
+
+        Transformers' caches read it to keep that many keys. For Transformer-XL with memory it is always
+        ``mem_len + 1`` (its decoding memory), following ``mem_len`` when that changes.
+        """
+        return self.memory_window or getattr(self, "_window", None)
+
+    @sliding_window.setter
+    def sliding_window(self, value) -> None:
+        self._check_window(value)
+        self._window = None if value == self.memory_window else value
+
+    def _check_window(self, window) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"RelPosConfig.sliding_window must be None or an int >= 1, got {window!r}")
+        memory = self.memory_window
+        if memory is not None and window not in (None, memory):
+            raise ValueError(
+                f"RelPosConfig.sliding_window must be None or mem_len + 1 = {memory} for transformer_xl with "
+                f"mem_len={self.mem_len} (its decoding memory is that window), got {window!r}"
+            )
+
+    def to_dict(self):
+        output = super().to_dict()
+        output.pop("_window", None)
+        output["sliding_window"] = self.sliding_window
+        return output
 
     @property
     def head_dim(self) -> int:

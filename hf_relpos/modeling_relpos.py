@@ -888,8 +888,16 @@ class RelPosModel(RelPosPreTrainedModel):
             kv_length, kv_offset = past_key_values.get_mask_sizes(length, 0)
         else:
             q_offset, kv_length, kv_offset = 0, length, 0
-        user_position_ids = position_ids is not None
-        if position_ids is None:
+        documents = self._packed_documents(
+            kwargs, position_ids, attention_mask, fresh=q_offset == 0 and kv_length == length and not mem_length,
+            batch=batch, length=length, device=device,
+        )
+        if position_ids is None and documents is not None:  # packed by cu_seq_lens_q / seq_idx alone
+            token = torch.arange(length, device=device).expand(batch, -1)
+            first = torch.ones_like(documents, dtype=torch.bool)
+            first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+            position_ids = token - torch.where(first, token, 0).cummax(-1).values
+        elif position_ids is None:
             position_ids = (torch.arange(length, device=device) + q_offset)[None]
         if isinstance(self.position, AbsoluteScheme) and length and not torch.compiler.is_compiling():
             last = int(position_ids.max())
@@ -901,27 +909,11 @@ class RelPosModel(RelPosPreTrainedModel):
                 )
 
         mask = self._bool_mask(inputs_embeds, attention_mask, past_key_values, position_ids, mem_length)
-        # As Transformers' masks do, position_ids tell packed documents apart only in a forward with nothing
-        # else to go by: no padding mask, no past (generate's position_ids for left padding also restart).
-        fresh = q_offset == 0 and kv_length == length and not mem_length
-        unpadded = attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
-        documents = self._documents(
-            kwargs, position_ids if user_position_ids and fresh and unpadded else None, batch, length, device
-        )
-        if documents is not None and not (fresh and unpadded):
-            raise ValueError(
-                "cu_seq_lens_q / seq_idx (packed sequences) need a forward without past_key_values, mems or an "
-                "attention_mask with padding"
-            )
         if documents is not None:
             same = (documents[:, :, None] == documents[:, None, :])[:, None]
             mask = same if mask is None else mask & same
         if config.sliding_window is not None and mems is None:
-            # Without explicit mems, Transformer-XL keeps a sliding memory of mem_len past positions, so that
-            # cached decoding (a sliding cache) and uncached forwards see the same keys.
-            i = torch.arange(length, device=device)[:, None] + (q_offset - kv_offset)
-            j = torch.arange(kv_length, device=device)[None, :]
-            window = (i - j < config.sliding_window)[None, None]
+            window = self._window_mask(length, kv_length, q_offset - kv_offset, device)
             mask = window if mask is None else mask & window
         ctx = PositionContext(
             query_length=length,
@@ -955,6 +947,35 @@ class RelPosModel(RelPosPreTrainedModel):
             past_key_values=past_key_values if use_cache else None,
             mems=new_mems,
         )
+
+    def _window_mask(self, length: int, kv_length: int, offset: int, device) -> torch.Tensor:
+        """``[1, 1, Q, K]`` bool sliding window, as Transformers' masks: causal ``i - j < W``, bidirectional
+        ``|i - j| <= W``. Transformer-XL's memory (without explicit ``mems``) is a window on the past only,
+        so that cached decoding (a sliding cache) and uncached forwards see the same keys."""
+        config = self.config
+        i = torch.arange(length, device=device)[:, None] + offset
+        j = torch.arange(kv_length, device=device)[None, :]
+        if config.is_decoder or config.memory_window is not None:
+            window = i - j < config.sliding_window
+        else:
+            window = (i - j).abs() <= config.sliding_window
+        return window[None, None]
+
+    def _packed_documents(self, kwargs, position_ids, attention_mask, *, fresh, batch, length, device):
+        """``[B, Q]`` document index of each token of packed rows, or None when the rows are not packed.
+
+        As Transformers' masks do, ``position_ids`` tell packed documents apart only in a forward with
+        nothing else to go by: no padding mask, no past (generate's position_ids for left padding also
+        restart at each row's first token).
+        """
+        unpadded = attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
+        documents = self._documents(kwargs, position_ids if fresh and unpadded else None, batch, length, device)
+        if documents is not None and not (fresh and unpadded):
+            raise ValueError(
+                "cu_seq_lens_q / seq_idx (packed sequences) need a forward without past_key_values, mems or an "
+                "attention_mask with padding"
+            )
+        return documents
 
     @staticmethod
     def _documents(kwargs, position_ids, batch, length, device) -> Optional[torch.Tensor]:

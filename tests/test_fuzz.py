@@ -553,7 +553,6 @@ VALID = {
     "max_relative_position": st.integers(0, 64),
     "mem_len": st.integers(0, 64),
     "clamp_len": st.one_of(st.just(-1), st.integers(1, 64)),
-    "sliding_window": st.one_of(st.none(), st.integers(1, 64)),
     "log_decay_scale": st.floats(1e-6, 1e3),
     "rope_theta": st.floats(1.0, 1e6),
     "rms_norm_eps": st.floats(1e-12, 1e-1),
@@ -618,14 +617,6 @@ def config_faults(v: dict) -> set:
         bad.add("mem_len")
     if not (_is_int(v["clamp_len"]) and (v["clamp_len"] == -1 or v["clamp_len"] >= 1)):
         bad.add("clamp_len")
-    window = v["sliding_window"]
-    if not (window is None or (_is_int(window) and window >= 1)):
-        bad.add("sliding_window")
-    elif (
-        "mem_len" not in bad and v["position_encoding"] == "transformer_xl" and v["mem_len"] > 0
-        and window not in (None, v["mem_len"] + 1)
-    ):
-        bad.add("sliding_window")  # Transformer-XL's decoding memory is the window mem_len + 1
     for name in POSITIVE_FLOATS:
         if not (_is_real(v[name]) and math.isfinite(v[name]) and v[name] > 0):
             bad.add(name)
@@ -646,12 +637,11 @@ def config_faults(v: dict) -> set:
 RELATED = {
     "hidden_size": {"num_attention_heads", "position_encoding"},
     "num_attention_heads": {"hidden_size"},
-    "position_encoding": {"hidden_size", "mem_len", "sliding_window"},
+    "position_encoding": {"hidden_size", "mem_len"},
     "relative_attention_num_buckets": {"is_decoder", "relative_attention_max_distance"},
     "relative_attention_max_distance": {"relative_attention_num_buckets", "is_decoder"},
     "is_decoder": {"relative_attention_num_buckets", "relative_attention_max_distance"},
-    "mem_len": {"position_encoding", "sliding_window"},
-    "sliding_window": {"mem_len", "position_encoding"},
+    "mem_len": {"position_encoding"},
     "vocab_size": {"pad_token_id", "bos_token_id", "eos_token_id"},
     "pad_token_id": {"vocab_size"},
     "bos_token_id": {"vocab_size"},
@@ -691,8 +681,6 @@ def test_fuzz_config(data):
     shown = {k: values[k] for k in sorted(expected | {"vocab_size"})}
     assert not expected, f"invalid fields {sorted(expected)} were accepted: {shown}"
     for name, value in given_kwargs.items():
-        if name == "sliding_window" and value is None:
-            continue  # Transformer-XL with memory derives it (mem_len + 1)
         got = getattr(config, name)
         assert got == value or (isinstance(value, float) and math.isnan(value)), (name, got, value)
 

@@ -230,7 +230,6 @@ NON_DEFAULT_FIELDS = dict(
     shaw_value_embeddings=False,
     mem_len=7,
     clamp_len=11,
-    sliding_window=8,  # mem_len + 1, the only window Transformer-XL with memory honours
     log_decay_scale=0.75,
     rope_theta=500.0,
     is_decoder=True,

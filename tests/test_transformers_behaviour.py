@@ -226,7 +226,10 @@ def test_packed_documents_match_documents_alone(position_encoding, impl, causal)
                       max_length_q=max(DOCS), max_length_k=max(DOCS)).last_hidden_state[0]
         by_seq_idx = model(ids, position_ids=position_ids, seq_idx=torch.repeat_interleave(
             torch.arange(len(DOCS)), torch.tensor(DOCS))[None]).last_hidden_state[0]
-    for name, got in (("position_ids", by_positions), ("cu_seq_lens", by_cu), ("seq_idx", by_seq_idx)):
+        # the collator's kwargs alone: positions restart at each document (absolute schemes need that)
+        by_cu_only = model(ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu).last_hidden_state[0]
+    for name, got in (("position_ids", by_positions), ("cu_seq_lens", by_cu), ("seq_idx", by_seq_idx),
+                      ("cu_seq_lens without position_ids", by_cu_only)):
         assert_close(got, alone, atol=1e-5, what=f"packed by {name}")
 
 
@@ -274,13 +277,48 @@ def test_sliding_window_is_a_config_field(tmp_path):
     assert config.sliding_window == 2
     config.save_pretrained(tmp_path)
     assert RelPosConfig.from_pretrained(tmp_path).sliding_window == 2
-    xl = RelPosConfig(position_encoding="transformer_xl", mem_len=6)
-    assert xl.sliding_window == 7  # Transformer-XL's decoding memory
     for bad in (0, -3, 2.5, "4"):
         with pytest.raises(ValueError, match="RelPosConfig.sliding_window"):
             RelPosConfig(sliding_window=bad)
+        with pytest.raises(ValueError, match="RelPosConfig.sliding_window"):
+            config.sliding_window = bad
+    assert config.sliding_window == 2  # a refused value changes nothing
+
+
+def test_transformer_xl_window_follows_mem_len(tmp_path):
+    """Transformer-XL's decoding memory is the window mem_len + 1, whenever and however mem_len is set."""
+    xl = RelPosConfig(position_encoding="transformer_xl", mem_len=6)
+    assert xl.sliding_window == 7
     with pytest.raises(ValueError, match="RelPosConfig.sliding_window"):
         RelPosConfig(position_encoding="transformer_xl", mem_len=6, sliding_window=3)
+    xl.mem_len = 2
+    assert xl.sliding_window == 3
+    xl.save_pretrained(tmp_path)
+    assert RelPosConfig.from_pretrained(tmp_path).sliding_window == 3
+    longer = RelPosConfig.from_pretrained(tmp_path, mem_len=16)  # a longer memory at evaluation time
+    assert longer.mem_len == 16 and longer.sliding_window == 17
+    assert RelPosConfig.from_pretrained(tmp_path, mem_len=0).sliding_window is None
+    # a model saved after its mem_len changed reloads as the same model
+    model = build("transformer_xl", mem_len=5)
+    model.config.mem_len = 2
+    model.save_pretrained(tmp_path / "m")
+    again = RelPosForCausalLM.from_pretrained(tmp_path / "m").eval()
+    ids = rand_ids(1, 9)
+    with torch.no_grad():
+        assert_close(again(ids).logits, model(ids).logits, what="reloaded")
+
+
+@pytest.mark.parametrize("position_encoding", ["t5_bias", "alibi", "rope", "shaw", "transformer_xl"])
+def test_bidirectional_sliding_window_is_symmetric(position_encoding):
+    """As Transformers' bidirectional sliding-window mask: a query sees keys within distance W on both sides."""
+    W, L = 2, 9
+    model = build(position_encoding, cls=RelPosModel, is_decoder=False, sliding_window=W, num_hidden_layers=1)
+    ids = rand_ids(1, L, seed=2)
+    with torch.no_grad():
+        weights = model(ids, output_attentions=True).attentions[0][0]
+    distance = (torch.arange(L)[:, None] - torch.arange(L)[None, :]).abs()
+    assert (weights[:, distance > W] == 0).all()
+    assert (weights[:, distance <= W] > 0).all()
 
 
 @pytest.mark.parametrize("position_encoding", ["t5_bias", "alibi", "rope", "shaw", "learned"])
