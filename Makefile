@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench bench-thp bench-shaw-band
+.PHONY: run test setup clean demo-biases bench bench-thp bench-shaw-band upstream-tests
 
 setup: $(STAMP)
 
@@ -44,3 +44,16 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# Transformers' own common model tests (ModelTesterMixin, GenerationTesterMixin, ConfigTester) on every
+# scheme, causal and bidirectional, from the Transformers sdist (see scripts/upstream_common_tests.py).
+# UPSTREAM_ARGS are pytest arguments, e.g. make upstream-tests UPSTREAM_ARGS="-q -k Rope -x"; RELPOS_SCHEMES, RELPOS_PROBE too.
+UPSTREAM_STAMP := $(VENV)/.upstream-test-deps
+UPSTREAM_ARGS ?= -q -n 2
+
+$(UPSTREAM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints-dev.txt parameterized pytest-timeout pytest-xdist httpx
+	touch $(UPSTREAM_STAMP)
+
+upstream-tests: $(UPSTREAM_STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) scripts/upstream_common_tests.py $(UPSTREAM_ARGS)

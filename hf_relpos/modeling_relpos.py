@@ -9,8 +9,6 @@ from the cache (and the Transformer-XL memory) before the first layer, asks the 
 per-forward term once, and hands both to every layer.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional

@@ -6,6 +6,7 @@ Each test states the upstream behaviour it checks; the attention-weight oracle i
 
 import copy
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -55,6 +56,17 @@ def test_attentions_are_the_layer_probabilities(position_encoding, causal, impl)
         assert_close(got.sum(-1).double(), torch.ones(got.shape[:-1], dtype=torch.float64), atol=1e-5, what="row sums")
     # Asking for the weights does not change the outputs.
     assert_close(out.last_hidden_state, plain.last_hidden_state, atol=1e-5, what="hidden states")
+
+
+@pytest.mark.parametrize("cls", [RelPosModel, RelPosForCausalLM, RelPosForSequenceClassification])
+def test_forward_declares_transformers_kwargs(cls):
+    """Transformers (its tests, generation, Trainer) learns which kwargs a forward takes, output_attentions and
+    the packed-sequence ones among them, from ``**kwargs: Unpack[TransformersKwargs]``: a real annotation,
+    not a string left by ``from __future__ import annotations``."""
+    annotation = inspect.signature(cls.forward).parameters["kwargs"].annotation
+    declared = annotation.__args__[0].__annotations__
+    for name in ("output_attentions", "output_hidden_states", "cu_seq_lens_q", "num_items_in_batch"):
+        assert name in declared
 
 
 @pytest.mark.parametrize("impl", IMPLS)
