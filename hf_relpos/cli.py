@@ -22,7 +22,7 @@ PRESETS = {
     "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
 }
 RUN_FILE = "hf_relpos_run.json"  # what train did, read back by eval and by the model card
-CARDS_DIR = Path(__file__).resolve().parent.parent / "model_cards"
+CARDS_DIR = Path(__file__).resolve().parent / "model_cards"  # package data (pyproject.toml)
 
 
 # ----------------------------------------------------------------------------------------------
