@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	touch $(STAMP)
 
 # The main job: train on the embedded corpus, then reload the saved folder through the Auto classes
-# (trust_remote_code=True) and generate a sample.
+# (trust_remote_code=True) and generate a sample. Re-running replaces runs/demo (--overwrite); the earlier
+# run's checkpoints are renamed aside, not deleted.
 run: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos train --output-dir runs/demo --steps 300
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos train --output-dir runs/demo --steps 300 --overwrite
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos generate runs/demo --prompt "The for statement"
 
 # Speed and memory against upstream T5 and plain attention (writes results/bench-cpu.md).

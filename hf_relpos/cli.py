@@ -1,7 +1,12 @@
-"""``hf-relpos``: train, generate, eval, validate-t5 and compare from the command line.
+"""``hf-relpos`` commands: train, generate, eval, validate-t5 and compare.
 
-Thin: each subcommand parses its arguments, calls the library and prints. The heavy lifting is
-Transformers' ``Trainer`` and ``generate`` on hf_relpos models.
+Thin: each command checks what it was given (a :class:`UserError` names the flag, what was given and
+what is allowed), calls the library and prints. The heavy lifting is Transformers' ``Trainer`` and
+``generate`` on hf_relpos models. Parsing and the one error handler live in ``hf_relpos_cli``, which
+imports no torch, so that ``--help`` answers at once.
+
+Nothing a user made is replaced without ``--overwrite``, and nothing is deleted: an earlier run's
+checkpoints are renamed aside. Ctrl-C during training saves a resumable checkpoint.
 """
 
 from __future__ import annotations
@@ -10,19 +15,108 @@ import argparse
 import json
 import math
 import os
+import re
+import shlex
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from .configuration_relpos import POSITION_ENCODINGS
+from hf_relpos_cli import PRESETS, Interrupted, UserError, main  # noqa: F401  (main: `python -m hf_relpos.cli`)
 
-PRESETS = {
-    "tiny": dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, intermediate_size=512),
-    "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
-}
 RUN_FILE = "hf_relpos_run.json"  # what train did, read back by eval and by the model card
+TIME_FILE = "hf_relpos_time.json"  # in each checkpoint: training seconds so far, so a resumed run counts all of it
 CARDS_DIR = Path(__file__).resolve().parent / "model_cards"  # package data (pyproject.toml)
+# What `save_pretrained` and the tokenizer write into a model folder, and what train adds.
+MODEL_FILE = re.compile(
+    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|chat_template)\.json"
+    r"|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|[a-z_]+\.py|README\.md|chat_template\.jinja"
+    + "|" + re.escape(RUN_FILE)
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# folders: what may be written where
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_model_folder(folder: Path) -> bool:
+    config = folder / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type") == "relpos"
+    except (OSError, ValueError):
+        return False
+
+
+def _checkpoints_dir(out: Path) -> Path:
+    return out.parent / f"{out.name}-checkpoints"
+
+
+def _last_checkpoint(folder: Path) -> Optional[Path]:
+    steps = [(int(p.name.split("-")[1]), p) for p in folder.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    return max(steps)[1] if steps else None
+
+
+def prepare_output(out: Path, *, overwrite: bool, resume) -> Optional[Path]:
+    """Refuse what would replace or delete a user's work; returns the checkpoint to resume from (or None).
+
+    A non-empty ``out`` must be an hf-relpos model folder holding nothing else, and is replaced only with
+    ``--overwrite`` (or continued with ``--resume``). An earlier run's checkpoints are renamed aside, never
+    deleted.
+    """
+    for folder, flag in ((out, "--output-dir"), (_checkpoints_dir(out), "--output-dir's checkpoint folder")):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"{flag} {str(folder)!r} is a file: give a folder path")
+    contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if contents:
+        foreign = [name for name in contents if not MODEL_FILE.fullmatch(name)]
+        if not _is_model_folder(out) or foreign:
+            shown = ", ".join((foreign or contents)[:3])
+            raise UserError(
+                f"--output-dir {str(out)!r} holds files that are not an hf-relpos model ({shown}); "
+                "give a new or empty folder (nothing is replaced there, --overwrite or not)"
+            )
+        if not (overwrite or resume):
+            raise UserError(
+                f"--output-dir {str(out)!r} already holds a trained model: pass --overwrite to replace it "
+                "(its checkpoints are kept) or --resume to continue its training"
+            )
+    checkpoints = _checkpoints_dir(out)
+    if resume:
+        checkpoint = Path(resume) if isinstance(resume, str) else _last_checkpoint(checkpoints)
+        if checkpoint is None or not (checkpoint / "trainer_state.json").is_file():
+            where = str(checkpoint) if isinstance(resume, str) else f"{str(checkpoints)!r}"
+            raise UserError(f"--resume: no checkpoint to resume from in {where}; train without --resume first")
+        return checkpoint
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        if not overwrite:
+            raise UserError(
+                f"{str(checkpoints)!r} holds checkpoints of an earlier run: pass --resume to continue it, or "
+                "--overwrite to start afresh (they are then renamed aside, not deleted)"
+            )
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 alone moves files
+            aside = checkpoints.with_name(f"{checkpoints.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            checkpoints.rename(aside)
+            print(f"hf-relpos train: the earlier run's checkpoints were moved to {aside}", file=sys.stderr)
+    return None
+
+
+class _RemoveIfEmptyOnFailure:
+    """A failed command leaves no empty folder behind: folders it created are removed if still empty."""
+
+    def __init__(self, *folders: Path):
+        self.new = [f for f in folders if not f.exists()]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        if kind is not None:
+            for folder in self.new:
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+        return False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,25 +152,116 @@ def load_corpus(train_files):
     from .data import embedded_corpus, read_text_files
 
     if train_files:
-        return read_text_files(train_files), "user files: " + ", ".join(str(f) for f in train_files)
+        try:
+            corpus = read_text_files(train_files)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        return corpus, "user files: " + ", ".join(Path(f).name for f in train_files)
     return embedded_corpus(), "Python's bundled documentation (pydoc_data.topics), split 85/5/10 within each topic"
+
+
+class _Progress:
+    """One progress bar for training, loss in it, each evaluation on a line of its own (not Trainer's log dicts)."""
+
+    def __new__(cls):
+        from tqdm.auto import tqdm
+        from transformers import TrainerCallback
+
+        class Progress(TrainerCallback):
+            bar = None
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                if state.is_world_process_zero:
+                    self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="training", unit="step")
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if self.bar is not None:
+                    self.bar.update(state.global_step - self.bar.n)
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if self.bar is None or not logs:
+                    return
+                if "loss" in logs:
+                    self.bar.set_postfix(loss=f"{logs['loss']:.3f}")
+                if "eval_loss" in logs:
+                    loss = logs["eval_loss"]
+                    self.bar.write(f"step {state.global_step}: validation loss {loss:.3f} (perplexity {math.exp(min(loss, 50)):.2f})")
+
+            def on_train_end(self, args, state, control, **kwargs):
+                if self.bar is not None:
+                    self.bar.close()
+
+        return Progress()
+
+
+class _Bookkeeping:
+    """Ctrl-C stops training at the end of the current step with a checkpoint; each checkpoint records the
+    training seconds so far, so that a resumed run reports its whole training time."""
+
+    def __new__(cls, previous_seconds: float):
+        from transformers import TrainerCallback
+
+        class Bookkeeping(TrainerCallback):
+            def __init__(self):
+                self.interrupted = False
+                self.started = time.time()
+                self.previous = previous_seconds
+
+            def seconds(self) -> float:
+                return self.previous + time.time() - self.started
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if self.interrupted:
+                    control.should_save = True
+                    control.should_training_stop = True
+
+            def on_save(self, args, state, control, **kwargs):
+                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                if state.is_world_process_zero and folder.is_dir():
+                    (folder / TIME_FILE).write_text(json.dumps({"train_seconds": round(self.seconds(), 1)}))
+
+        return Bookkeeping()
+
+
+def _resume_command(argv: list) -> str:
+    argv = [a for a in argv if a not in ("--overwrite",)]
+    if not any(a == "--resume" or a.startswith("--resume=") for a in argv):
+        argv = argv + ["--resume"]
+    return "hf-relpos " + shlex.join(argv)
 
 
 def train(args) -> dict:
     """Train one scheme on the corpus and write a Hub-ready folder. Returns the run summary."""
+    out = Path(args.output_dir)
+    if args.mem_len is not None and args.position_encoding != "transformer_xl":
+        raise UserError(
+            f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
+            f"{args.position_encoding}"
+        )
+    resume_from = prepare_output(out, overwrite=args.overwrite, resume=args.resume)
+    with _RemoveIfEmptyOnFailure(out, _checkpoints_dir(out)):
+        return _train(args, out, resume_from)
+
+
+def _train(args, out: Path, resume_from: Optional[Path]) -> dict:
     import torch
     from transformers import GenerationConfig, Trainer, TrainingArguments, set_seed
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from .data import Chunks, encode, train_tokenizer
     from .memory import MemoryTrainer, OrderedSegments, segment_perplexity
     from .modeling_relpos import RelPosForCausalLM
 
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)
     corpus, corpus_name = load_corpus(args.train_file)
     tokenizer = train_tokenizer([corpus["train"]], vocab_size=args.vocab_size)
     streams = {part: encode(tokenizer, text) for part, text in corpus.items()}
+    shortest = min(("train", "validation", "test"), key=lambda part: streams[part].numel())
+    if streams[shortest].numel() <= args.seq_len:
+        raise UserError(
+            f"--seq-len {args.seq_len} is longer than the data: its {shortest} split holds "
+            f"{streams[shortest].numel()} tokens; use a shorter --seq-len or more text"
+        )
     config = build_config(args.position_encoding, args.preset, args.seq_len, len(tokenizer), args.mem_len)
     model = RelPosForCausalLM(config)
 
@@ -92,7 +277,7 @@ def train(args) -> dict:
     eval_steps = max(1, args.steps // 4)
     distributed_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
     training_args = TrainingArguments(
-        output_dir=str(out.parent / f"{out.name}-checkpoints"),  # keeps the model folder Hub-ready
+        output_dir=str(_checkpoints_dir(out)),  # keeps the model folder Hub-ready
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
@@ -109,7 +294,7 @@ def train(args) -> dict:
         report_to=[],
         seed=args.seed,
         dataloader_pin_memory=False,
-        disable_tqdm=args.quiet,
+        disable_tqdm=True,  # our own bar (_Progress) instead of Trainer's bar and raw log dicts
         # Under torchrun, Transformer-XL's ordered batches are split by rows so each rank keeps its rows.
         accelerator_config={"split_batches": True} if with_memory and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         # torchrun on CPU-only machines: DDP over gloo (Transformers would otherwise run each rank alone).
@@ -117,9 +302,34 @@ def train(args) -> dict:
         ddp_backend="gloo" if distributed_cpu else None,
     )
     trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set)
-    started = time.time()
-    trainer.train(resume_from_checkpoint=args.resume)
-    seconds = time.time() - started
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if not args.quiet:
+        trainer.add_callback(_Progress())
+    previous = 0.0
+    if resume_from is not None and (resume_from / TIME_FILE).is_file():
+        previous = json.loads((resume_from / TIME_FILE).read_text())["train_seconds"]
+    book = _Bookkeeping(previous)
+    trainer.add_callback(book)
+
+    def on_interrupt(signum, frame):
+        if book.interrupted:  # a second Ctrl-C: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        book.interrupted = True
+
+    handler = signal.signal(signal.SIGINT, on_interrupt) if _main_thread() else None
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+    seconds = book.seconds()
+    if book.interrupted:
+        checkpoint = _checkpoints_dir(out) / f"checkpoint-{trainer.state.global_step}"
+        raise Interrupted(
+            f"interrupted at step {trainer.state.global_step} of {args.steps}; checkpoint saved in {checkpoint}.",
+            _resume_command(args.argv),
+        )
     if not trainer.is_world_process_zero():  # under torchrun, rank 0 alone writes the folder
         return {}
 
@@ -130,8 +340,9 @@ def train(args) -> dict:
     tokenizer.save_pretrained(out)
     test = streams["test"]
     max_tokens = args.eval_tokens
-    ppl = segment_perplexity(model, test, args.seq_len, use_memory=False, max_tokens=max_tokens)
+    ppl = evaluate_lengths(model, test, [args.seq_len * f for f in (1, 2, 4)], max_tokens)
     summary = {
+        "command": "hf-relpos " + shlex.join(args.argv),
         "position_encoding": config.position_encoding,
         "preset": args.preset,
         "seq_len": args.seq_len,
@@ -149,7 +360,8 @@ def train(args) -> dict:
         "position_parameters": position_parameter_count(model),
         "train_seconds": round(seconds, 1),
         "final_train_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
-        "test_ppl": ppl,
+        "test_ppl": ppl[args.seq_len],
+        "test_ppl_by_length": {str(n): p for n, p in ppl.items()},
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -157,35 +369,114 @@ def train(args) -> dict:
         summary["test_ppl_with_memory"] = segment_perplexity(model, test, args.seq_len, max_tokens=max_tokens)
     (out / RUN_FILE).write_text(json.dumps(summary, indent=2))
     write_model_card(out, summary)
-    if not args.quiet:
-        print(f"\nSaved to {out}/ — test perplexity at length {args.seq_len}: {ppl:.2f}")
-        if with_memory:
-            print(f"  with memory (mem_len={config.mem_len}): {summary['test_ppl_with_memory']:.2f}")
+    line = f"Saved to {out}/ — test perplexity at length {args.seq_len}: {summary['test_ppl']:.2f}"
+    if with_memory:
+        line += f" ({summary['test_ppl_with_memory']:.2f} with memory {config.mem_len})"
+    print(line)
     return summary
 
 
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+BIBTEX = {
+    "t5_bias": """@article{raffel2020t5,
+  title={Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer},
+  author={Raffel, Colin and Shazeer, Noam and Roberts, Adam and Lee, Katherine and Narang, Sharan and Matena, Michael and Zhou, Yanqi and Li, Wei and Liu, Peter J.},
+  journal={Journal of Machine Learning Research}, volume={21}, number={140}, pages={1--67}, year={2020}
+}""",
+    "shaw": """@inproceedings{shaw2018relative,
+  title={Self-Attention with Relative Position Representations},
+  author={Shaw, Peter and Uszkoreit, Jakob and Vaswani, Ashish},
+  booktitle={Proceedings of NAACL-HLT}, pages={464--468}, year={2018}
+}""",
+    "transformer_xl": """@inproceedings{dai2019transformerxl,
+  title={Transformer-{XL}: Attentive Language Models beyond a Fixed-Length Context},
+  author={Dai, Zihang and Yang, Zhilin and Yang, Yiming and Carbonell, Jaime and Le, Quoc V. and Salakhutdinov, Ruslan},
+  booktitle={Proceedings of ACL}, pages={2978--2988}, year={2019}
+}""",
+    "log_decay": """@inproceedings{chi2022kerple,
+  title={{KERPLE}: Kernelized Relative Positional Embedding for Length Extrapolation},
+  author={Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.},
+  booktitle={Advances in Neural Information Processing Systems}, year={2022},
+  note={the log-decay bias is the fixed (r1 = lambda, r2 = 1) case of KERPLE's logarithmic variant}
+}""",
+    "alibi": """@inproceedings{press2022alibi,
+  title={Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation},
+  author={Press, Ofir and Smith, Noah A. and Lewis, Mike},
+  booktitle={International Conference on Learning Representations}, year={2022}
+}""",
+    "rope": """@article{su2021roformer,
+  title={{RoFormer}: Enhanced Transformer with Rotary Position Embedding},
+  author={Su, Jianlin and Lu, Yu and Pan, Shengfeng and Murtadha, Ahmed and Wen, Bo and Liu, Yunfeng},
+  journal={arXiv preprint arXiv:2104.09864}, year={2021}
+}""",
+}
+BIBTEX["sinusoidal"] = BIBTEX["learned"] = """@inproceedings{vaswani2017attention,
+  title={Attention Is All You Need},
+  author={Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia},
+  booktitle={Advances in Neural Information Processing Systems}, year={2017}
+}"""
+
+
+def _ppl(value) -> str:
+    return "∞ (cannot run: past the position table)" if math.isinf(value) else f"{value:.2f}"
+
+
 def write_model_card(folder: Path, summary: dict) -> None:
-    template_path = CARDS_DIR / f"{summary['position_encoding']}.md"
+    """README.md from the scheme's template: the exact command, the evaluation at L, 2L, 4L (and with
+    memory) as a table and as YAML ``model-index`` metrics, and the paper to cite."""
+    scheme = summary["position_encoding"]
+    template_path = CARDS_DIR / f"{scheme}.md"
     if not template_path.is_file():
-        raise FileNotFoundError(f"model card template {template_path} is missing: run from a checkout of hf_relpos")
+        raise FileNotFoundError(f"model card template {template_path} is missing from the installed package")
+    L = summary["seq_len"]
+    by_length = {int(n): p for n, p in summary["test_ppl_by_length"].items()}
     training = "\n".join(
         [
+            f"Command: `{summary['command']}`",
+            "",
             "| | |",
             "| --- | --- |",
             f"| corpus | {summary['corpus']} |",
             f"| training tokens | {summary['train_tokens']:,} |",
             f"| model size | preset `{summary['preset']}`, {summary['parameters']:,} parameters "
             f"({summary['position_parameters']:,} in the position scheme) |",
-            f"| sequence length | {summary['seq_len']} tokens" + (f", memory {summary['mem_len']}" if summary["mem_len"] else "") + " |",
+            f"| sequence length | {L} tokens" + (f", memory {summary['mem_len']}" if summary["mem_len"] else "") + " |",
             f"| steps × batch | {summary['steps']} × {summary['batch_size']}, learning rate {summary['learning_rate']}, seed {summary['seed']} |",
             f"| final training loss | {summary['final_train_loss']:.3f} |" if summary["final_train_loss"] else "| final training loss | n/a |",
-            f"| test perplexity at length {summary['seq_len']} | {summary['test_ppl']:.2f} "
-            f"({summary['test_tokens']:,} held-out tokens) |",
+            f"| trained on | {summary['date']}, torch {summary['torch']}, {summary['train_seconds']} s of training in all |",
+            "",
+            f"Test perplexity ({summary['test_tokens']:,} held-out tokens, non-overlapping segments; L = {L}):",
+            "",
+            "| evaluation length | perplexity |",
+            "| --- | ---: |",
         ]
-        + ([f"| test perplexity with memory | {summary['test_ppl_with_memory']:.2f} |"] if "test_ppl_with_memory" in summary else [])
-        + [f"| trained on | {summary['date']}, torch {summary['torch']}, {summary['train_seconds']} s |"]
+        + [f"| {n} ({n // L}L) | {_ppl(p)} |" for n, p in sorted(by_length.items())]
+        + ([f"| {L} with memory {summary['mem_len']} | {summary['test_ppl_with_memory']:.2f} |"]
+           if "test_ppl_with_memory" in summary else [])
+        + ["", "Cite the scheme's paper:", "", "```bibtex", BIBTEX[scheme], "```"]
     )
+    metrics = [(f"Perplexity at {n} tokens ({n // L}x the training length)", p) for n, p in sorted(by_length.items())]
+    if "test_ppl_with_memory" in summary:
+        metrics.append((f"Perplexity at {L} tokens with memory {summary['mem_len']}", summary["test_ppl_with_memory"]))
+    index = [
+        "model-index:",
+        f"  - name: hf_relpos-{scheme}",
+        "    results:",
+        "      - task: {type: text-generation, name: Causal language modeling}",
+        f"        dataset: {{type: text, name: {json.dumps(summary['corpus'])}}}",
+        "        metrics:",
+    ] + [
+        f"          - {{type: perplexity, name: {json.dumps(name)}, value: {json.dumps(round(value, 4)) if math.isfinite(value) else '.inf'}}}"
+        for name, value in metrics
+    ]
     card = template_path.read_text().replace("{{training}}", training)
+    head, sep, rest = card.partition("\n---\n")  # the front matter's closing line
+    card = head + "\n" + "\n".join(index) + sep + rest
     (folder / "README.md").write_text(card)
 
 
@@ -195,34 +486,72 @@ def write_model_card(folder: Path, summary: dict) -> None:
 
 
 def load_folder(folder: str):
+    """The model and tokenizer of a folder written by ``train``; a UserError says what is wrong with any other."""
+    path = Path(folder)
+    if not path.exists():
+        raise UserError(f"folder {folder!r} does not exist: pass a folder written by `hf-relpos train`")
+    if not (path / "config.json").is_file():
+        raise UserError(f"folder {folder!r} holds no config.json: pass a folder written by `hf-relpos train`")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except ValueError:
+        raise UserError(f"{folder}/config.json is not valid JSON") from None
+    if model_type != "relpos":
+        raise UserError(f"folder {folder!r} holds a model of model_type {model_type!r}, not an hf-relpos model ('relpos')")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise UserError(
+            f"folder {folder!r} has no tokenizer (tokenizer.json): pass the model folder written by `hf-relpos train`, "
+            "not one of its checkpoints"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(folder)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"folder {folder!r} holds no config.json: pass a folder written by `hf-relpos train`")
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     return model, tokenizer
 
 
-def generate(args) -> str:
+def _position_table(config) -> Optional[int]:
+    """How many positions an absolute scheme's table holds (None: relative schemes have no end)."""
+    return config.max_position_embeddings if config.position_encoding in ("learned", "sinusoidal") else None
+
+
+def generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty: give some text to continue")
     model, tokenizer = load_folder(args.folder)
     inputs = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False)
+    prompt_length = inputs["input_ids"].shape[1]
+    new_tokens, table = args.max_new_tokens, _position_table(model.config)
+    if table is not None and prompt_length + new_tokens > table:
+        if prompt_length >= table:
+            raise UserError(
+                f"--prompt is {prompt_length} tokens, and the {model.config.position_encoding} position table "
+                f"holds {table}: give a shorter prompt"
+            )
+        new_tokens = table - prompt_length
     streamer = None if args.quiet else TextStreamer(tokenizer)
     torch.manual_seed(args.seed)
     output = model.generate(
         **inputs,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=new_tokens,
         do_sample=args.temperature > 0,
         temperature=args.temperature if args.temperature > 0 else None,
         top_k=args.top_k if args.temperature > 0 else None,
         use_cache=True,
         streamer=streamer,
     )
-    return tokenizer.decode(output[0], skip_special_tokens=True)
+    text = tokenizer.decode(output[0], skip_special_tokens=True)
+    print(text if args.quiet else "")
+    if new_tokens < args.max_new_tokens:
+        print(
+            f"hf-relpos generate: stopped after {new_tokens} new tokens: the {model.config.position_encoding} "
+            f"position table holds {table} positions",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def evaluate_lengths(model, stream, lengths, max_tokens=None) -> dict:
@@ -240,8 +569,8 @@ def evaluate_lengths(model, stream, lengths, max_tokens=None) -> dict:
     return result
 
 
-def evaluate(args) -> dict:
-    from .data import encode, read_text_files, embedded_corpus
+def evaluate(args) -> int:
+    from .data import embedded_corpus, encode, read_text_files
     from .memory import segment_perplexity
 
     model, tokenizer = load_folder(args.folder)
@@ -249,9 +578,23 @@ def evaluate(args) -> dict:
     run = json.loads(run_file.read_text()) if run_file.is_file() else {}
     seq_len = args.seq_len or run.get("seq_len")
     if not seq_len:
-        raise ValueError(f"--seq-len is needed: {run_file} is missing")
-    text = read_text_files(args.eval_file)["test"] if args.eval_file else embedded_corpus()["test"]
+        raise UserError(f"--seq-len is needed: {run_file} (the training record) is missing")
+    table = _position_table(model.config)
+    if table is not None and seq_len > table:
+        raise UserError(
+            f"--seq-len {seq_len} is longer than the {model.config.position_encoding} position table "
+            f"(max_position_embeddings={table})"
+        )
+    if args.eval_file:
+        try:
+            text = read_text_files(args.eval_file, flag="--eval-file")["test"]
+        except ValueError as error:
+            raise UserError(str(error)) from None
+    else:
+        text = embedded_corpus()["test"]
     stream = encode(tokenizer, text)
+    if stream.numel() <= seq_len:
+        raise UserError(f"--seq-len {seq_len} is longer than the evaluated text ({stream.numel()} tokens)")
     lengths = [seq_len * f for f in args.factors]
     result = {f"ppl@{n}": p for n, p in evaluate_lengths(model, stream, lengths, args.eval_tokens).items()}
     if getattr(model.config, "mem_len", 0) > 0:
@@ -260,7 +603,7 @@ def evaluate(args) -> dict:
         )
     for name, value in result.items():
         print(f"{name:>24}: {value:.2f}")
-    return result
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,54 +659,90 @@ def validate_t5(args) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def compare(args) -> dict:
+def compare(args) -> int:
+    """Train every scheme alike, evaluate at L, 2L, 4L; write compare.md, compare.json, compare.png and the models.
+
+    Writes into a fresh ``runs/compare-<date>-<time>`` unless ``--output-dir`` says where (a folder that
+    already holds results needs ``--overwrite``). ``--resume`` continues an interrupted comparison:
+    finished schemes are evaluated again from their folders, the interrupted one resumes from its checkpoint.
+    """
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
-    from .data import encode
-    from .memory import segment_perplexity
-    from .modeling_relpos import RelPosForCausalLM
-
-    out, models = Path(args.output_dir), Path(args.models_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    schemes = args.schemes or list(POSITION_ENCODINGS)
+    if args.quick:
+        args.steps, args.seq_len = min(args.steps, 60), min(args.seq_len, 64)
+        args.eval_tokens = min(args.eval_tokens or 4096, 4096)
+    if args.mem_len is not None and "transformer_xl" not in (args.schemes or ["transformer_xl"]):
+        raise UserError("--mem-len applies to transformer_xl, which --schemes leaves out")
+    out = Path(args.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
+    if out.is_dir() and any(out.iterdir()) and not (args.overwrite or args.resume):
+        raise UserError(
+            f"--output-dir {str(out)!r} already holds files: pass --overwrite to replace its table and plot "
+            "(trained models are kept unless retrained) or --resume to continue an interrupted comparison"
+        )
+    schemes = args.schemes or list(hf_schemes())
     factors = (1, 2, 4)
     rows = []
-    for scheme in tqdm(schemes, desc="schemes"):
-        run_args = argparse.Namespace(**{**vars(args), "position_encoding": scheme, "output_dir": str(models / scheme),
-                                         "quiet": True, "resume": None, "mem_len": args.mem_len})
-        summary = train(run_args)
-        model = RelPosForCausalLM.from_pretrained(models / scheme).eval()
-        tokenizer = AutoTokenizer.from_pretrained(models / scheme)
-        corpus, _ = load_corpus(args.train_file)
-        stream = encode(tokenizer, corpus["test"])
-        ppl = evaluate_lengths(model, stream, [args.seq_len * f for f in factors], args.eval_tokens)
-        row = {"scheme": scheme, "position_params": summary["position_parameters"],
-               **{f"ppl_{f}x": ppl[args.seq_len * f] for f in factors}}
-        if model.config.mem_len > 0:
-            row["ppl_1x_with_memory"] = segment_perplexity(model, stream, args.seq_len, max_tokens=args.eval_tokens)
-        rows.append(row)
-        tqdm.write(f"{scheme:>15}: " + "  ".join(f"{f}x {row[f'ppl_{f}x']:.2f}" for f in factors))
+    for scheme in tqdm(schemes, desc="schemes", disable=args.quiet):
+        folder = out / "models" / scheme
+        done = (folder / RUN_FILE).is_file() and args.resume
+        if not done:
+            resume = True if args.resume and _last_checkpoint(_checkpoints_dir(folder)) is not None else None
+            run_args = argparse.Namespace(**{
+                **vars(args), "position_encoding": scheme, "output_dir": str(folder), "quiet": True,
+                "resume": resume, "overwrite": args.overwrite,
+                "mem_len": args.mem_len if scheme == "transformer_xl" else None,
+            })
+            try:
+                train(run_args)
+            except Interrupted as stop:
+                raise Interrupted(f"comparison interrupted while training {scheme}: {stop}",
+                                  _resume_command(args.argv)) from None
+        summary = json.loads((folder / RUN_FILE).read_text())
+        rows.append(_compare_row(scheme, summary, args, factors))
+        if not args.quiet:
+            tqdm.write(f"{scheme:>15}: " + "  ".join(f"{f}x {_ppl(rows[-1][f'ppl_{f}x'])}" for f in factors))
     meta = {
-        "command": "hf-relpos " + " ".join(getattr(args, "argv", ["compare"])),
+        "command": "hf-relpos " + shlex.join(args.argv),
+        "quick": bool(args.quick),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "seq_len": args.seq_len, "steps": args.steps, "preset": args.preset, "batch_size": args.batch_size,
         "seed": args.seed, "eval_tokens": args.eval_tokens,
     }
+    out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     table = render_table(rows, args.seq_len, meta)
     (out / "compare.md").write_text(table)
-    plot(rows, args.seq_len, factors, out / "compare.png")
-    print(table)
-    return {"meta": meta, "rows": rows}
+    plot(rows, args.seq_len, factors, out / "compare.png", quick=meta["quick"])
+    if not args.quiet:
+        print(table)
+    print(f"Wrote {out}/compare.md, compare.json and compare.png")
+    return 0
+
+
+def hf_schemes():
+    from .configuration_relpos import POSITION_ENCODINGS
+
+    return POSITION_ENCODINGS
+
+
+def _compare_row(scheme: str, summary: dict, args, factors) -> dict:
+    """The row of one trained scheme: perplexity at each length from its training record (same test tokens)."""
+    by_length = {int(n): p for n, p in summary["test_ppl_by_length"].items()}
+    row = {"scheme": scheme, "position_params": summary["position_parameters"],
+           **{f"ppl_{f}x": by_length[args.seq_len * f] for f in factors}}
+    if "test_ppl_with_memory" in summary:
+        row["ppl_1x_with_memory"] = summary["test_ppl_with_memory"]
+    return row
 
 
 def render_table(rows, seq_len, meta) -> str:
-    def cell(value):
-        return "∞ (cannot run)" if math.isinf(value) else f"{value:.2f}"
-
-    lines = [
+    lines = []
+    if meta.get("quick"):
+        lines += [f"**Quick run** ({meta['steps']} steps, L={seq_len}): a smoke test, not comparable with full runs.", ""]
+    lines += [
         f"Perplexity on held-out text, trained at L={seq_len}, evaluated on non-overlapping segments of L, 2L, 4L.",
         "",
         "| scheme | position params | train PPL (L) | 2x PPL | 4x PPL |",
@@ -371,8 +750,8 @@ def render_table(rows, seq_len, meta) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row['scheme']} | {row['position_params']:,} | {cell(row['ppl_1x'])} | {cell(row['ppl_2x'])} | "
-            f"{cell(row['ppl_4x'])} |"
+            f"| {row['scheme']} | {row['position_params']:,} | {_ppl(row['ppl_1x'])} | {_ppl(row['ppl_2x'])} | "
+            f"{_ppl(row['ppl_4x'])} |"
         )
     memory = [r for r in rows if "ppl_1x_with_memory" in r]
     if memory:
@@ -383,118 +762,71 @@ def render_table(rows, seq_len, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, seq_len, factors, path) -> None:
+def plot(rows, seq_len, factors, path, quick: bool = False) -> None:
+    """Perplexity against evaluation length, log-scale y so that every curve stays readable; a scheme that
+    cannot run at a length (a learned table's end) is marked there with an x on the top edge; legend outside."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     lengths = [seq_len * f for f in factors]
+    marked = False
     for row in rows:
         values = [row[f"ppl_{f}x"] for f in factors]
         finite = [(n, v) for n, v in zip(lengths, values) if math.isfinite(v)]
-        if finite:
-            ax.plot(*zip(*finite), marker="o", label=row["scheme"])
+        line = ax.plot(*zip(*finite), marker="o", label=row["scheme"])[0] if finite else None
+        for n, v in zip(lengths, values):
+            if not math.isfinite(v):
+                color = line.get_color() if line is not None else None
+                ax.plot([n], [1.0], marker="x", markersize=9, color=color, clip_on=False,
+                        transform=ax.get_xaxis_transform(), label=None if marked else "cannot run (past its table)")
+                marked = True
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    from matplotlib.ticker import LogFormatter
+
+    for axis_format in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis_format(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))  # plain numbers on a log axis
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity (held-out text)")
-    ax.set_title(f"Length extrapolation, trained at L={seq_len}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("perplexity (held-out text, log scale)")
+    title = f"Length extrapolation, trained at L={seq_len}"
+    ax.set_title(title + (" — quick run, not comparable" if quick else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------------------------
-# argument parsing
-# ----------------------------------------------------------------------------------------------
+class library_output_off:
+    """While a command runs, Transformers' own progress bars ("Loading weights", "Writing model shards" at
+    each checkpoint) and info warnings are off: the command shows one bar of its own, or just its result."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self.verbosity = hf_logging.get_verbosity()
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(self.verbosity)
+        return False
 
 
-def _add_training_arguments(p, steps, seq_len):
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size (default: tiny)")
-    p.add_argument("--seq-len", type=int, default=seq_len, help=f"training sequence length L (default: {seq_len})")
-    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default: {steps})")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--learning-rate", type=float, default=2e-3)
-    p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary trained on the corpus")
-    p.add_argument("--mem-len", type=int, default=None, help="Transformer-XL memory (default: the sequence length)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-file", nargs="*", default=None, help="your own text files instead of the embedded corpus")
-    p.add_argument("--eval-tokens", type=int, default=None, help="cap on held-out tokens evaluated")
-
-
-def _positive(name, value):
-    if value is not None and value < 1:
-        raise SystemExit(f"hf-relpos: error: {name} must be >= 1, got {value}")
-
-
-def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="hf-relpos", description=__doc__.splitlines()[0])
-    sub = root.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="train one scheme and write a Hub-ready folder")
-    p.add_argument("--position-encoding", choices=POSITION_ENCODINGS, default="t5_bias")
-    p.add_argument("--output-dir", default="runs/model")
-    p.add_argument("--resume", nargs="?", const=True, default=None, help="resume from the last (or the given) checkpoint")
-    p.add_argument("--quiet", action="store_true")
-    _add_training_arguments(p, steps=400, seq_len=128)
-
-    p = sub.add_parser("generate", help="generate text from a trained folder (streams to the terminal)")
-    p.add_argument("folder")
-    p.add_argument("--prompt", default="The")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true")
-
-    p = sub.add_parser("eval", help="perplexity of a folder at L, 2L, 4L (and with memory)")
-    p.add_argument("folder")
-    p.add_argument("--seq-len", type=int, default=None, help="L (default: the training length)")
-    p.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--eval-file", nargs="*", default=None)
-    p.add_argument("--eval-tokens", type=int, default=None)
-
-    sub.add_parser("validate-t5", help="check T5 buckets and bias against the installed Transformers")
-
-    p = sub.add_parser("compare", help="the length-extrapolation experiment over every scheme")
-    p.add_argument("--output-dir", default="results/compare", help="where the table (md, json) and plot go")
-    p.add_argument("--models-dir", default="runs/compare", help="where the trained model folders go")
-    p.add_argument("--schemes", nargs="+", choices=POSITION_ENCODINGS, default=None)
-    p.add_argument("--quick", action="store_true", help="a few-minute run (fewer steps, shorter L)")
-    _add_training_arguments(p, steps=500, seq_len=128)
-    return root
-
-
-def main(argv: Optional[list] = None) -> int:
-    args = parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    for factor in getattr(args, "factors", None) or []:
-        _positive("--factors", factor)
-    for name in ("seq_len", "steps", "batch_size", "max_new_tokens", "eval_tokens", "vocab_size"):
-        _positive("--" + name.replace("_", "-"), getattr(args, name, None))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.command == "train":
-        train(args)
-    elif args.command == "generate":
-        text = generate(args)
-        if args.quiet:
-            print(text)
-        else:
-            print()
-    elif args.command == "eval":
-        evaluate(args)
-    elif args.command == "validate-t5":
-        return validate_t5(args)
-    elif args.command == "compare":
-        if args.quick:
-            args.steps, args.seq_len = min(args.steps, 60), min(args.seq_len, 64)
-            args.eval_tokens = min(args.eval_tokens or 4096, 4096)
-        compare(args)
+def train_command(args) -> int:
+    train(args)
     return 0
+
+
+COMMANDS = {"train": train_command, "generate": generate, "eval": evaluate, "validate-t5": validate_t5, "compare": compare}
 
 
 if __name__ == "__main__":

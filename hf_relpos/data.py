@@ -41,16 +41,29 @@ def embedded_corpus() -> dict[str, str]:
     return {part: "\n\n".join(t for t in texts if t.strip()) for part, texts in split.items()}
 
 
-def read_text_files(paths: Sequence[str | Path]) -> dict[str, str]:
-    """User text files: the last 10% of the characters of each file are held out (half validation, half test)."""
+def read_text_files(paths: Sequence[str | Path], flag: str = "--train-file") -> dict[str, str]:
+    """User text files: the last 10% of the characters of each file are held out (half validation, half test).
+
+    A file that is missing, unreadable, not UTF-8 text or shorter than 1000 characters raises ``ValueError``
+    naming ``flag`` and the file.
+    """
     train, validation, test = [], [], []
     for path in paths:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"--train-file {str(path)!r} is not a readable file")
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if len(text) < 1000:
-            raise ValueError(f"--train-file {str(path)!r} holds {len(text)} characters; at least 1000 are needed")
+            raise ValueError(f"{flag} {str(path)!r} does not exist or is not a file")
+        try:
+            raw = path.read_bytes()
+        except OSError as error:
+            raise ValueError(f"{flag} {str(path)!r} cannot be read: {error.strerror}") from None
+        try:
+            if b"\0" in raw:
+                raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "NUL byte")
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{flag} {str(path)!r} is not a UTF-8 text file (binary content)") from None
+        if len(text.strip()) < 1000:
+            raise ValueError(f"{flag} {str(path)!r} holds {len(text.strip())} characters of text; at least 1000 are needed")
         cut, mid = int(len(text) * 0.9), int(len(text) * 0.95)
         train.append(text[:cut])
         validation.append(text[cut:mid])

@@ -136,14 +136,24 @@ def test_train_writes_hub_ready_folder(scheme, request):
     assert meta["pipeline_tag"] == "text-generation"
     assert "custom_code" in meta["tags"] and SCHEME_TAG[scheme] in meta["tags"], meta["tags"]
     assert "{{" not in card and "}}" not in card
-    assert f"test perplexity at length {seq_len} | {run['test_ppl']:.2f} ({eval_tokens:,} held-out tokens)" in card
+    assert f"Test perplexity ({eval_tokens:,} held-out tokens" in card
+    for factor in (1, 2, 4):  # the evaluation at L, 2L, 4L, in the table and as model-index metrics
+        value = run["test_ppl_by_length"][str(factor * seq_len)]
+        assert f"| {factor * seq_len} ({factor}L) | {value:.2f} |" in card
+    metrics = meta["model-index"][0]["results"][0]["metrics"]
+    assert [m["value"] for m in metrics[:3]] == [round(run["test_ppl_by_length"][str(f * seq_len)], 4) for f in (1, 2, 4)]
+    assert all(m["type"] == "perplexity" for m in metrics)
+    assert f"Command: `{run['command']}`" in card and run["command"].startswith("hf-relpos train ")
+    assert "```bibtex" in card and cli.BIBTEX[scheme] in card
+    assert str(folder.parent) not in card.replace(run["command"], "")  # no local paths beyond the command given
     assert f"| steps × batch | {steps} × 4," in card
     assert f"{run['train_tokens']:,}" in card and f"{run['parameters']:,} parameters" in card
     assert f"({run['position_parameters']:,} in the position scheme)" in card
     if scheme == "transformer_xl":
         assert run["mem_len"] == seq_len
         assert math.isfinite(run["test_ppl_with_memory"])
-        assert f"| test perplexity with memory | {run['test_ppl_with_memory']:.2f} |" in card
+        assert f"| {seq_len} with memory {seq_len} | {run['test_ppl_with_memory']:.2f} |" in card
+        assert len(metrics) == 4
         assert f"memory {seq_len}" in card
     else:
         assert "test_ppl_with_memory" not in run and "with memory" not in card
@@ -318,7 +328,10 @@ def test_eval_rejects_non_positive_factors(t5_folder, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
         cli.main(["eval", str(t5_folder), "--factors", "1", "0", "--eval-tokens", "50"])
-    assert "--factors" in str(info.value.code), capsys.readouterr().out
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("hf-relpos eval: error: argument --factors: must be >= 1, got 0")
+    assert captured.err.count("\n") == 1 and "inf" not in captured.out
 
 
 # ---------------------------------------------------------------------------
@@ -361,18 +374,19 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     out = tmp_path / "compare"
     schemes = ["t5_bias", "learned", "alibi"]
     seq_len, steps = 16, 3
-    models = tmp_path / "models"
-    argv = ["compare", "--quick", "--schemes", *schemes, "--output-dir", str(out), "--models-dir", str(models), "--steps", str(steps),
+    models = out / "models"
+    argv = ["compare", "--quick", "--schemes", *schemes, "--output-dir", str(out), "--steps", str(steps),
             "--seq-len", str(seq_len), "--batch-size", "4", "--vocab-size", "300"]  # fmt: skip
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
 
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in out.iterdir()) == ["compare.json", "compare.md", "compare.png"]  # models elsewhere
+    assert sorted(p.name for p in out.iterdir()) == ["compare.json", "compare.md", "compare.png", "models"]
     data = json.loads((out / "compare.json").read_text())
     table = (out / "compare.md").read_text()
     assert table in printed
     assert data["meta"]["steps"] == steps and data["meta"]["seq_len"] == seq_len
+    assert data["meta"]["quick"] is True and table.startswith("**Quick run**")  # a quick run says so
 
     lines = table.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| scheme"))
@@ -387,7 +401,7 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     assert [row["scheme"] for row in data["rows"]] == schemes
 
     def cell(value):
-        return "∞ (cannot run)" if math.isinf(value) else f"{value:.2f}"
+        return "∞ (cannot run: past the position table)" if math.isinf(value) else f"{value:.2f}"
 
     for cells, row in zip(body, data["rows"]):
         assert cells == [row["scheme"], f"{row['position_params']:,}", cell(row["ppl_1x"]), cell(row["ppl_2x"]),
@@ -408,14 +422,25 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     assert rows["learned"]["position_params"] == seq_len * cli.PRESETS["tiny"]["hidden_size"]
 
 
-def test_compare_quick_caps_but_keeps_smaller_user_settings(monkeypatch):
+def test_compare_quick_caps_but_keeps_smaller_user_settings(monkeypatch, tmp_path):
     """--quick shortens the run; it must not override smaller values the user asked for."""
     seen = []
-    monkeypatch.setattr(cli, "compare", seen.append)
-    assert cli.main(["compare", "--quick"]) == 0
+
+    class Stop(Exception):
+        pass
+
+    def record(args):
+        seen.append(args)
+        raise Stop
+
+    monkeypatch.setattr(cli, "train", record)
+    with pytest.raises(Stop):
+        cli.main(["compare", "--quick", "--output-dir", str(tmp_path / "a")])
     assert (seen[-1].steps, seen[-1].seq_len) == (60, 64)
     assert seen[-1].eval_tokens == 4096
-    assert cli.main(["compare", "--quick", "--steps", "3", "--seq-len", "16", "--eval-tokens", "400"]) == 0
+    with pytest.raises(Stop):
+        cli.main(["compare", "--quick", "--steps", "3", "--seq-len", "16", "--eval-tokens", "400",
+                  "--output-dir", str(tmp_path / "b")])
     assert (seen[-1].steps, seen[-1].seq_len) == (3, 16)
     assert seen[-1].eval_tokens == 400, f"--quick replaced --eval-tokens 400 by {seen[-1].eval_tokens}"
 
@@ -437,40 +462,49 @@ def test_compare_quick_caps_but_keeps_smaller_user_settings(monkeypatch):
         (["generate", "some-folder", "--max-new-tokens", "0"], "--max-new-tokens"),
     ],
 )
-def test_non_positive_arguments_exit_naming_the_flag(argv, flag, tmp_path):
+def test_non_positive_arguments_exit_naming_the_flag(argv, flag, tmp_path, capsys):
     output = tmp_path / "never"
     if argv[0] in ("train", "compare"):
         argv = argv + ["--output-dir", str(output)]
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
-    message = str(info.value.code)
-    assert info.value.code not in (0, None)
-    assert flag in message and "must be >= 1" in message, message
+    message = capsys.readouterr().err
+    assert info.value.code == 2
+    assert message.startswith(f"hf-relpos {argv[0]}: error: argument {flag}") and "must be >= " in message, message
+    assert message.count("\n") == 1, message  # one line, no usage block
     assert not output.exists()
 
 
-def test_generate_and_eval_need_a_trained_folder(tmp_path):
+def one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"hf-relpos {command}: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_generate_and_eval_need_a_trained_folder(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match=re.escape(str(empty))):
-        cli.main(["generate", str(empty), "--quiet"])
-    with pytest.raises(ValueError, match="config.json"):
-        cli.main(["eval", str(empty)])
+    assert cli.main(["generate", str(empty), "--quiet"]) == 2
+    assert str(empty) in one_line_error(capsys, "generate")
+    assert cli.main(["eval", str(empty)]) == 2
+    assert "config.json" in one_line_error(capsys, "eval")
     missing = tmp_path / "missing"
-    with pytest.raises(ValueError, match=re.escape(str(missing))):
-        cli.main(["generate", str(missing)])
+    assert cli.main(["generate", str(missing)]) == 2
+    assert str(missing) in one_line_error(capsys, "generate")
 
 
-def test_train_file_errors_name_the_flag(tmp_path):
+def test_train_file_errors_name_the_flag(tmp_path, capsys):
     missing = tmp_path / "nope.txt"
     argv = ["train", "--output-dir", str(tmp_path / "m"), "--steps", "1", "--seq-len", "16", "--quiet"]
-    with pytest.raises(ValueError, match="--train-file") as info:
-        cli.main(argv + ["--train-file", str(missing)])
-    assert str(missing) in str(info.value)
+    assert cli.main(argv + ["--train-file", str(missing)]) == 2
+    err = one_line_error(capsys, "train")
+    assert "--train-file" in err and str(missing) in err
     short = tmp_path / "short.txt"
     short.write_text("too short " * 10)
-    with pytest.raises(ValueError, match="--train-file .*at least 1000"):
-        cli.main(argv + ["--train-file", str(short)])
+    assert cli.main(argv + ["--train-file", str(short)]) == 2
+    assert re.search("--train-file .*at least 1000", one_line_error(capsys, "train"))
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m-checkpoints").exists()
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,182 @@
+"""``hf-relpos``: the command line's parser and its one error handler.
+
+This module lives beside the ``hf_relpos`` package, not in it, and imports neither torch nor
+Transformers: ``import hf_relpos`` registers the models with Transformers' Auto classes (the
+package's contract), which costs seconds, and ``--help``, ``--version`` and argument errors should
+answer at once. The commands themselves run in :mod:`hf_relpos.cli`, imported after parsing.
+
+Exit status: 0 on success; 2 for a user error, printed as one line
+``hf-relpos <command>: error: <what was given, what is allowed>`` (a traceback only with ``--debug``
+or ``HF_RELPOS_DEBUG=1``); 130 after Ctrl-C; an unexpected exception prints its traceback (1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+# hf_relpos.POSITION_ENCODINGS, restated so that parsing needs no torch (tests/test_cli.py keeps them equal).
+SCHEMES = ("t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "rope", "sinusoidal", "learned")
+PRESETS = {
+    "tiny": dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, intermediate_size=512),
+    "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
+}
+MIN_VOCAB = 259  # the byte-level BPE's 256 byte tokens and its 3 special tokens (hf_relpos.data.SPECIAL_TOKENS)
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: printed as one line, exit status 2."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the work so far is saved; ``resume`` is the command that continues it."""
+
+    def __init__(self, message: str, resume: str):
+        super().__init__(message)
+        self.resume = resume
+
+
+def _number(kind, minimum, strict: bool):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a{'n int' if kind is int else ' number'}, got {text!r}")
+        if value < minimum or (strict and value == minimum):
+            bound = f"> {minimum}" if strict else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1, strict=False)
+non_negative_int = _number(int, 0, strict=False)
+non_negative_float = _number(float, 0.0, strict=False)
+positive_float = _number(float, 0.0, strict=True)
+
+
+vocab_size = _number(int, MIN_VOCAB, strict=False)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hf_relpos")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line, ``hf-relpos <command>: error: ...``, exit status 2 (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default (but not a default of None or False, which says nothing)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_training_arguments(p, steps: int, seq_len: int) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
+    p.add_argument("--seq-len", type=positive_int, default=seq_len, help="training sequence length L (tokens)")
+    p.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per optimizer step")
+    p.add_argument("--learning-rate", type=positive_float, default=2e-3, help="peak AdamW learning rate (cosine schedule)")
+    p.add_argument("--vocab-size", type=vocab_size, default=2048, help=f"BPE vocabulary trained on the corpus (>= {MIN_VOCAB})")
+    p.add_argument("--mem-len", type=non_negative_int, default=None,
+                   help="Transformer-XL memory in tokens (transformer_xl only; default: the sequence length)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (model init, data order)")
+    p.add_argument("--train-file", nargs="+", default=None, metavar="PATH",
+                   help="your own UTF-8 text files instead of the embedded corpus (Python's bundled docs)")
+    p.add_argument("--eval-tokens", type=positive_int, default=None, help="cap on held-out tokens evaluated (default: all)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the model in --output-dir (earlier checkpoints are kept, renamed)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="continue from the last checkpoint (or the one given)")
+    p.add_argument("--quiet", action="store_true", help="print only the final line (and errors)")
+
+
+def parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show a traceback for errors (also HF_RELPOS_DEBUG=1)")
+
+    root = _Parser(
+        prog="hf-relpos", formatter_class=_Formatter,
+        description="Train, generate, evaluate and compare relative-position attention models.",
+    )
+    root.add_argument("--version", action="version", version=f"hf-relpos {_version()}")
+    sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def command(name, help):
+        return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Formatter)
+
+    p = command("train", "train one scheme and write a Hub-ready folder")
+    p.add_argument("--position-encoding", choices=SCHEMES, default="t5_bias", help="the position scheme")
+    p.add_argument("--output-dir", default="runs/model", help="the model folder (checkpoints go to <output-dir>-checkpoints)")
+    _add_training_arguments(p, steps=400, seq_len=128)
+
+    p = command("generate", "generate text from a trained folder (streams to the terminal)")
+    p.add_argument("folder", help="a folder written by `hf-relpos train`")
+    p.add_argument("--prompt", default="The", help="the text to continue")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate")
+    p.add_argument("--temperature", type=non_negative_float, default=0.8, help="sampling temperature; 0 for greedy")
+    p.add_argument("--top-k", type=positive_int, default=40, help="sample among the k likeliest tokens")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--quiet", action="store_true", help="print only the generated text")
+
+    p = command("eval", "perplexity of a folder at L, 2L, 4L (and with memory)")
+    p.add_argument("folder", help="a folder written by `hf-relpos train`")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="L (default: the training length)")
+    p.add_argument("--factors", type=positive_int, nargs="+", default=[1, 2, 4], help="evaluation lengths as multiples of L")
+    p.add_argument("--eval-file", nargs="+", default=None, metavar="PATH",
+                   help="UTF-8 text files whose last 5%% is evaluated (default: the embedded corpus' test split)")
+    p.add_argument("--eval-tokens", type=positive_int, default=None, help="cap on held-out tokens evaluated (default: all)")
+
+    command("validate-t5", "check T5 buckets and bias against the installed Transformers")
+
+    p = command("compare", "the length-extrapolation experiment over every scheme")
+    p.add_argument("--output-dir", default=None,
+                   help="where the table (md, json), plot and models go (default: a new runs/compare-<date>-<time>)")
+    p.add_argument("--schemes", nargs="+", choices=SCHEMES, default=None, help="schemes to compare (default: all)")
+    p.add_argument("--quick", action="store_true", help="a few-minute run (at most 60 steps, L <= 64), marked as such")
+    _add_training_arguments(p, steps=500, seq_len=128)
+    return root
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    debug = args.debug or os.environ.get("HF_RELPOS_DEBUG", "") not in ("", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from hf_relpos import cli
+
+        with cli.library_output_off():
+            return cli.COMMANDS[args.command](args) or 0
+    except UserError as error:
+        if debug:
+            raise
+        print(f"hf-relpos {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except Interrupted as stop:
+        print(f"hf-relpos {args.command}: {stop} Resume with: {stop.resume}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"hf-relpos {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+"""The command line never loses work: one-line errors, overwrite guards, Ctrl-C that saves, quiet output, fast help.
+
+In-process (``hf_relpos_cli.main``) with tiny settings, except where the console script itself matters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+import hf_relpos
+import hf_relpos_cli
+from hf_relpos import cli
+from hf_relpos.data import SPECIAL_TOKENS
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--steps", "2", "--seq-len", "16", "--batch-size", "2", "--vocab-size", "300", "--eval-tokens", "64"]
+
+
+def run(argv, capsys):
+    code = hf_relpos_cli.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line_error(code, err, command):
+    assert code == 2, err
+    assert err.startswith(f"hf-relpos {command}: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny t5_bias folder and a tiny learned-positions folder (table of 16 positions)."""
+    base = tmp_path_factory.mktemp("trained")
+    for scheme in ("t5_bias", "learned"):
+        assert hf_relpos_cli.main(["train", "--position-encoding", scheme, "--output-dir", str(base / scheme),
+                                   *TINY, "--quiet"]) == 0  # fmt: skip
+    return base
+
+
+# ---------------------------------------------------------------------------
+# 1. every user error: one line, exit 2, nothing left behind
+# ---------------------------------------------------------------------------
+
+
+def _text(path: Path, chars: int) -> Path:
+    path.write_text(("Some plain text about functions and classes. " * (chars // 40 + 1))[:chars])
+    return path
+
+
+BAD_TRAIN = {
+    "missing --train-file": (lambda d: ["--train-file", str(d / "nope.txt")], "does not exist"),
+    "empty --train-file": (lambda d: ["--train-file", str(_text(d / "empty.txt", 0))], "at least 1000"),
+    "binary --train-file": (lambda d: ["--train-file", str(d / "bin.dat")], "not a UTF-8 text file"),
+    "--train-file without a path": (lambda d: ["--train-file"], "expected at least one argument"),
+    "negative --mem-len": (lambda d: ["--mem-len", "-1"], "argument --mem-len: must be >= 0"),
+    "--mem-len without memory": (lambda d: ["--mem-len", "4"], "transformer_xl only"),
+    "--vocab-size too small": (lambda d: ["--vocab-size", "100"], "argument --vocab-size: must be >= 259"),
+    "--seq-len longer than the data": (
+        lambda d: ["--train-file", str(_text(d / "small.txt", 1500)), "--seq-len", "4096"], "longer than the data"),
+    "--resume without a checkpoint": (lambda d: ["--resume"], "no checkpoint to resume from"),
+    "--output-dir that is a file": (lambda d: ["--output-dir", str(_text(d / "afile", 10))], "is a file"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TRAIN))
+def test_train_user_errors(case, tmp_path, capsys):
+    (tmp_path / "bin.dat").write_bytes(bytes(range(256)) * 8)
+    extra, expected = BAD_TRAIN[case]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = ["train", "--output-dir", str(tmp_path / "model"), *TINY, *extra(tmp_path)]
+    with pytest.raises(SystemExit) if "argument" in expected else _no_raise() as info:
+        code = hf_relpos_cli.main(argv)
+    code = info.value.code if info else code
+    err = one_line_error(code, capsys.readouterr().err, "train")
+    assert expected in err
+    after = sorted(p.name for p in tmp_path.iterdir())
+    assert set(after) - set(before) <= {"empty.txt", "small.txt", "afile"}, "a failed command left a folder behind"
+
+
+class _no_raise:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_train_file(tmp_path, capsys):
+    locked = _text(tmp_path / "locked.txt", 2000)
+    locked.chmod(0)
+    code, _, err = run(["train", "--output-dir", str(tmp_path / "m"), *TINY, "--train-file", str(locked)], capsys)
+    assert "cannot be read" in one_line_error(code, err, "train")
+
+
+def test_generate_and_eval_user_errors(trained, tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    checkpoint = next((trained / "t5_bias-checkpoints").glob("checkpoint-*"))
+    cases = [
+        (["generate", str(tmp_path / "missing")], "does not exist"),
+        (["eval", str(tmp_path / "missing")], "does not exist"),
+        (["generate", str(other)], "model_type 'gpt2'"),
+        (["eval", str(other)], "model_type 'gpt2'"),
+        (["generate", str(checkpoint)], "has no tokenizer"),
+        (["generate", str(trained / "t5_bias"), "--prompt", ""], "--prompt is empty"),
+        (["generate", str(trained / "t5_bias"), "--prompt", "   "], "--prompt is empty"),
+        (["eval", str(trained / "learned"), "--seq-len", "64"], "longer than the learned position table"),
+    ]
+    for argv, expected in cases:
+        code, _, err = run(argv, capsys)
+        assert expected in one_line_error(code, err, argv[0]), argv
+    with pytest.raises(SystemExit) as info:
+        hf_relpos_cli.main(["generate", str(trained / "t5_bias"), "--temperature", "-1"])
+    assert "argument --temperature: must be >= 0" in one_line_error(info.value.code, capsys.readouterr().err, "generate")
+
+
+def test_generate_past_a_learned_table_stops_with_a_notice(trained, capsys):
+    """The table holds 16 positions: asking for 40 new tokens keeps what fits, and says so in one line."""
+    code, out, err = run(["generate", str(trained / "learned"), "--prompt", "The", "--max-new-tokens", "40",
+                          "--temperature", "0", "--quiet"], capsys)  # fmt: skip
+    assert code == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(trained / "learned")
+    assert len(tokenizer(out.rstrip("\n"), add_special_tokens=False)["input_ids"]) <= 16
+    assert out.startswith("The")
+    assert err.startswith("hf-relpos generate: stopped after ") and "position table holds 16" in err
+    assert err.count("\n") == 1
+
+
+def test_debug_shows_the_traceback_and_unexpected_errors_are_not_hidden(tmp_path, monkeypatch):
+    with pytest.raises(hf_relpos_cli.UserError):
+        hf_relpos_cli.main(["generate", str(tmp_path / "missing"), "--debug"])
+    monkeypatch.setenv("HF_RELPOS_DEBUG", "1")
+    with pytest.raises(hf_relpos_cli.UserError):
+        hf_relpos_cli.main(["generate", str(tmp_path / "missing")])
+    monkeypatch.delenv("HF_RELPOS_DEBUG")
+
+    def broken(args):
+        raise RuntimeError("a bug, not a user error")
+
+    monkeypatch.setitem(cli.COMMANDS, "eval", broken)
+    with pytest.raises(RuntimeError):  # the console script prints its traceback and exits 1
+        hf_relpos_cli.main(["eval", str(tmp_path)])
+
+
+# ---------------------------------------------------------------------------
+# 2. nothing lost
+# ---------------------------------------------------------------------------
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_train_never_replaces_a_model_without_overwrite(tmp_path, capsys):
+    model = tmp_path / "model"
+    argv = ["train", "--output-dir", str(model), *TINY, "--quiet"]
+    assert run(argv, capsys)[0] == 0
+    first, first_checkpoints = _snapshot(model), _snapshot(tmp_path / "model-checkpoints")
+
+    code, _, err = run(argv, capsys)
+    assert "--overwrite" in one_line_error(code, err, "train")
+    assert _snapshot(model) == first and _snapshot(tmp_path / "model-checkpoints") == first_checkpoints
+
+    # --overwrite replaces the model; the earlier run's checkpoints are renamed aside, byte for byte
+    code, out, err = run(argv + ["--seed", "1", "--overwrite"], capsys)
+    assert code == 0
+    assert _snapshot(model)["model.safetensors"] != first["model.safetensors"]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("model-checkpoints.old-")]
+    assert len(aside) == 1 and _snapshot(aside[0]) == first_checkpoints
+    assert (tmp_path / "model-checkpoints").is_dir()
+
+
+def test_train_refuses_a_folder_with_other_files_even_with_overwrite(tmp_path, capsys):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "README.md").write_text("# my project\n")
+    (project / "pyproject.toml").write_text("[project]\nname = 'mine'\n")
+    before = _snapshot(project)
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run(["train", "--output-dir", str(project), *TINY, *extra], capsys)
+        assert "not an hf-relpos model" in one_line_error(code, err, "train")
+    assert _snapshot(project) == before
+    assert not (tmp_path / "project-checkpoints").exists()
+
+
+def test_compare_writes_a_fresh_folder_under_runs_by_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(args):
+        seen.append(args.output_dir)
+        raise Stop
+
+    monkeypatch.setattr(cli, "train", record)
+    with pytest.raises(Stop):
+        hf_relpos_cli.main(["compare", "--quick"])
+    capsys.readouterr()
+    assert Path(seen[0]).parts[0] == "runs" and Path(seen[0]).parts[1].startswith("compare-")
+
+    results = tmp_path / "results" / "compare"
+    results.mkdir(parents=True)
+    (results / "compare.md").write_text("a committed table\n")
+    code, _, err = run(["compare", "--quick", "--output-dir", str(results)], capsys)
+    assert "--overwrite" in one_line_error(code, err, "compare")
+    assert (results / "compare.md").read_text() == "a committed table\n"
+
+
+def test_gitignore_lists_no_tracked_file():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    assert ignored.returncode == 0 and ignored.stdout == "", ignored.stdout
+
+
+# ---------------------------------------------------------------------------
+# 3. Ctrl-C saves a checkpoint that --resume continues to the same result
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["t5_bias", "transformer_xl"])
+def test_ctrl_c_saves_and_resume_reaches_the_same_loss(scheme, tmp_path, monkeypatch, capsys):
+    settings = ["--position-encoding", scheme, "--steps", "6", "--seq-len", "16", "--batch-size", "2",
+                "--vocab-size", "300", "--eval-tokens", "64", "--quiet"]  # fmt: skip
+    straight = tmp_path / "straight"
+    assert run(["train", "--output-dir", str(straight), *settings], capsys)[0] == 0
+
+    original = transformers.Trainer.training_step
+
+    def press_ctrl_c(self, *args, **kwargs):
+        if self.state.global_step == 2:
+            signal.raise_signal(signal.SIGINT)  # as the terminal does: the handler flags it, training goes on
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.Trainer, "training_step", press_ctrl_c)
+    interrupted = tmp_path / "interrupted"
+    code, out, err = run(["train", "--output-dir", str(interrupted), *settings], capsys)
+    monkeypatch.setattr(transformers.Trainer, "training_step", original)
+    assert code == 130
+    assert err.count("\n") == 1 and "interrupted at step 3 of 6" in err, err
+    checkpoint = tmp_path / "interrupted-checkpoints" / "checkpoint-3"
+    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.pt").is_file()
+    first_part = json.loads((checkpoint / cli.TIME_FILE).read_text())["train_seconds"]
+    if scheme == "transformer_xl":
+        assert (checkpoint / "mems-rank0.safetensors").is_file()
+    assert not (interrupted / "model.safetensors").exists()
+
+    command = err.split("Resume with: ")[1].strip()
+    assert command.startswith("hf-relpos train ") and command.endswith("--resume")
+    assert run(shlex.split(command)[1:], capsys)[0] == 0
+    resumed, reference = (json.loads((d / cli.RUN_FILE).read_text()) for d in (interrupted, straight))
+    assert resumed["final_train_loss"] == pytest.approx(reference["final_train_loss"], abs=1e-4)
+    assert resumed["test_ppl"] == pytest.approx(reference["test_ppl"], rel=1e-4)
+    assert resumed["train_seconds"] >= first_part > 0  # the card's training time covers both parts
+
+
+# ---------------------------------------------------------------------------
+# 4. quiet and clear output
+# ---------------------------------------------------------------------------
+
+
+def test_train_output_is_one_bar_and_quiet_is_one_line(tmp_path, capfd):
+    assert hf_relpos_cli.main(["train", "--output-dir", str(tmp_path / "q"), *TINY, "--quiet"]) == 0
+    out, err = capfd.readouterr()
+    assert out.count("\n") == 1 and out.startswith(f"Saved to {tmp_path / 'q'}/"), out
+    assert err == "", err
+
+    assert hf_relpos_cli.main(["train", "--output-dir", str(tmp_path / "loud"), *TINY]) == 0
+    out, err = capfd.readouterr()
+    assert "training:" in err  # the progress bar
+    assert "{'loss'" not in out + err and "Writing model shards" not in out + err
+    assert "validation loss" in out + err
+
+
+def test_generate_quiet_prints_only_the_text(trained, capfd):
+    assert hf_relpos_cli.main(["generate", str(trained / "t5_bias"), "--prompt", "The", "--max-new-tokens", "5",
+                               "--temperature", "0", "--quiet"]) == 0  # fmt: skip
+    out, err = capfd.readouterr()
+    assert out.startswith("The") and out.count("\n") == 1 and err == ""
+
+
+# ---------------------------------------------------------------------------
+# 5. help
+# ---------------------------------------------------------------------------
+
+
+def test_every_option_has_help_and_its_default():
+    root = hf_relpos_cli.parser()
+    subparsers = next(a for a in root._actions if a.dest == "command").choices
+    for name, sub in subparsers.items():
+        text = sub.format_help()
+        for action in sub._actions:
+            if action.dest in ("help",):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
+            if action.option_strings and action.default not in (None, False):
+                assert f"(default: {action.default})" in " ".join(text.split()), (name, action.dest)
+
+
+def test_help_and_version_do_not_import_torch():
+    code = (
+        "import sys, hf_relpos_cli\n"
+        "for argv in (['--help'], ['train', '--help'], ['compare', '--help'], ['--version']):\n"
+        "    try:\n"
+        "        hf_relpos_cli.main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, argv\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'hf_relpos') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert f"hf-relpos {hf_relpos.__version__}" in result.stdout
+
+
+def test_cli_constants_match_the_package():
+    assert hf_relpos_cli.SCHEMES == tuple(hf_relpos.POSITION_ENCODINGS)
+    assert hf_relpos_cli.MIN_VOCAB == 256 + len(SPECIAL_TOKENS)
+
+
+# ---------------------------------------------------------------------------
+# 8. a readable plot
+# ---------------------------------------------------------------------------
+
+
+def test_plot_log_scale_marks_what_cannot_run_and_keeps_the_legend_off_the_data(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    rows = [
+        {"scheme": "alibi", "ppl_1x": 60.0, "ppl_2x": 58.0, "ppl_4x": 57.0},
+        {"scheme": "sinusoidal", "ppl_1x": 150.0, "ppl_2x": 900.0, "ppl_4x": 4000.0},
+        {"scheme": "learned", "ppl_1x": 90.0, "ppl_2x": float("inf"), "ppl_4x": float("inf")},
+    ]
+    cli.plot(rows, 64, (1, 2, 4), tmp_path / "p.png", quick=True)
+    (ax,) = figures[0].axes
+    assert ax.get_yscale() == "log"
+    assert "quick run" in ax.get_title()
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "cannot run (past its table)" in labels
+    marks = [line for line in ax.get_lines() if line.get_marker() == "x"]
+    assert sorted(float(line.get_xdata()[0]) for line in marks) == [128.0, 256.0]
+    figures[0].canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1 - 1  # to the right of the axes, off the data
