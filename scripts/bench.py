@@ -5,8 +5,8 @@ interleaved A B A B in one process, medians after warm-up; peak memory per conte
 of its own; cached decoding tokens/s. Writes a Markdown table with the command, date, torch version
 and machine.
 
-    python scripts/bench.py                       # the full run (about 15-25 minutes on 2 CPU cores)
-    python scripts/bench.py --quick               # a few minutes: n=512, fewer repeats
+    python scripts/bench.py                       # the full run (about 15-20 minutes on 2 CPU cores)
+    python scripts/bench.py --quick               # about 3 minutes: n=512, fewer repeats
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Print what each position scheme adds to attention for a small example.
 
-The main job until the training CLI lands: shows, for 6 queries following 2 cached
-tokens against 8 keys, the T5 buckets and bias, Shaw's clipped distance indices,
-the log-decay and ALiBi biases, and runs Shaw and Transformer-XL attention once.
+Shows, for 6 queries following 2 cached tokens against 8 keys, the T5 buckets and bias,
+Shaw's clipped distance indices, the log-decay and ALiBi biases, and runs Shaw and
+Transformer-XL attention once.
+
+    python scripts/demo_biases.py     # or make demo-biases; a few seconds (mostly importing torch)
 """
 
 import torch
