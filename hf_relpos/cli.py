@@ -239,8 +239,23 @@ def train(args) -> dict:
             f"{args.position_encoding}"
         )
     resume_from = prepare_output(out, overwrite=args.overwrite, resume=args.resume)
-    with _RemoveIfEmptyOnFailure(out, _checkpoints_dir(out)):
-        return _train(args, out, resume_from)
+    try:
+        with _RemoveIfEmptyOnFailure(out, _checkpoints_dir(out)):
+            return _train(args, out, resume_from)
+    finally:
+        _end_process_group()
+
+
+def _end_process_group() -> None:
+    """Under torchrun, destroy the process group (Trainer's objects, in reference cycles, keep it alive) so that
+    gloo joins its worker threads before the interpreter finalizes: one still running then can abort the rank."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _train(args, out: Path, resume_from: Optional[Path]) -> dict:

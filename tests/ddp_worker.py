@@ -21,6 +21,7 @@ Scenarios (each writes OUT_DIR/<scenario>/result-rank<R>.json; models and checkp
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -349,6 +350,10 @@ def main(argv):
         if world > 1:
             torch.distributed.barrier()
     if world > 1 and torch.distributed.is_initialized():
+        # Destroy the process group for real before the interpreter exits: the trainers (MemoryTrainer's callback
+        # makes a reference cycle) hold the DDP models, which hold it. Its last reference gone, gloo joins its
+        # worker threads; one left running can take the GIL during finalization and abort the process (SIGABRT).
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 
