@@ -7,7 +7,8 @@ when the allocator starts, so each measurement runs in a child process: per cont
 alternate without and with the switch (A B A B ...), each reporting the median forward+backward
 step time after a warm-up; the table gives the ratio with / without (below 1: the switch helps).
 
-    python scripts/bench_thp.py                  # n=2048, the contenders of scripts/bench.py that matter
+    python scripts/bench_thp.py                  # n=2048, the contenders of scripts/bench.py that matter;
+                                                 # about 30 minutes on 2 CPU cores (3 pairs of child processes per contender)
 """
 
 from __future__ import annotations

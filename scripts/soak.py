@@ -6,7 +6,7 @@
 2. 1,000 ``generate`` calls with random prompts and batch sizes in one process: resident set at the
    start and at the end, and whether a second pass with the same seed gives the same tokens.
 
-    python scripts/soak.py            # about 5 minutes on 2 CPU cores
+    python scripts/soak.py            # 5-10 minutes on 2 CPU cores (8.5 measured on a busy machine)
     python scripts/soak.py --calls 200 --context 2048   # shorter
 """
 

@@ -20,12 +20,11 @@ The editable install the rest of the suite runs against cannot see this, so this
    ``model.safetensors``, ``config.json`` and a ``README.md`` model card filled in from its template.
 
 Skipped, with the reason, only when a wheel cannot be built offline at all (no pip, or no setuptools
-new enough for ``pyproject.toml``'s ``[build-system]``). About 20 s on two CPU cores.
+new enough for ``pyproject.toml``'s ``[build-system]``). 20-40 s on two CPU cores.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -85,7 +84,9 @@ def _skip_unless_buildable_offline() -> None:
     """Skip (with the reason) when this interpreter cannot build the wheel without the network."""
     from importlib.metadata import PackageNotFoundError, version
 
-    if importlib.util.find_spec("pip") is None:
+    try:  # metadata only: importlib.util.find_spec("pip") would let setuptools' distutils hack unload distutils here
+        version("pip")
+    except PackageNotFoundError:
         pytest.skip(f"cannot build a wheel offline: pip is not installed for {sys.executable}")
     for requirement in _pyproject().get("build-system", {}).get("requires", []):
         name, _, minimum = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(>=\s*([\d.]+))?", requirement).group(1, 2, 3)
