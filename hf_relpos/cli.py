@@ -239,11 +239,8 @@ def train(args) -> dict:
             f"{args.position_encoding}"
         )
     resume_from = prepare_output(out, overwrite=args.overwrite, resume=args.resume)
-    try:
-        with _RemoveIfEmptyOnFailure(out, _checkpoints_dir(out)):
-            return _train(args, out, resume_from)
-    finally:
-        _end_process_group()
+    with _RemoveIfEmptyOnFailure(out, _checkpoints_dir(out)):
+        return _train(args, out, resume_from)
 
 
 def _end_process_group() -> None:
@@ -837,7 +834,10 @@ class library_output_off:
 
 
 def train_command(args) -> int:
-    train(args)
+    try:
+        train(args)
+    finally:  # here, not in train(): compare under torchrun trains several models in one process group
+        _end_process_group()
     return 0
 
 

@@ -17,6 +17,11 @@ the cost); the single-process reference runs in this process. Each scenario writ
   the other rank's rows differ by ~0.1-1). Each rank checkpoints its own ``mems-rank<r>.safetensors`` and
   loads it on resume: the resumed run reproduces the straight run exactly (measured 0.0 on parameters and
   memory; tolerance 1e-6).
+- Exit: every rank destroys the process group, and so joins gloo's threads, before its interpreter finalizes
+  (``tests/exit_probe/sitecustomize.py`` records the threads alive at exit). A gloo worker still running then can
+  take the GIL to release a finished collective's tensors during finalization, which aborts the rank (SIGABRT
+  after training, "terminate called without an active exception"): rank 1 of ``hf-relpos train`` exits ~2 ms
+  after its last collective, Trainer's final all_gather.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +42,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORKER = HERE / "ddp_worker.py"
+EXIT_PROBE = HERE / "exit_probe"  # a sitecustomize: each rank records the threads alive when its interpreter exits
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 SCENARIOS = ("plain", "memory", "memory-split")
 SINGLE_SCENARIOS = ("plain-single", "memory-single")
 LOSS_ATOL = 1e-4  # measured max |DDP - single| over 4 steps: 4.3e-6
@@ -56,6 +64,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def readable(log: str, lines: int = 60) -> str:
+    """The launch's output for a failure message: progress bars dropped, each rank's abort or traceback kept.
+
+    torchrun's own summary ("exitcode: -6 ... Signal 6 (SIGABRT)") names the rank; what the rank printed
+    ("terminate called without an active exception", "Fatal Python error") comes earlier, so it is kept wherever
+    it is.
+    """
+    kept = [re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line.rsplit("\r", 1)[-1]) for line in log.splitlines()]
+    kept = [line for line in kept if line.strip() and "it/s]" not in line and "s/it]" not in line]
+    markers = ("terminate called", "Fatal Python error", "Aborted", "Signal ", "exitcode", "Error")
+    flagged = [line for line in kept[:-lines] if any(m in line for m in markers)]
+    return "\n".join(flagged + (["..."] if flagged else []) + kept[-lines:])
+
+
+def torchrun_env(probe_dir: Path, **extra) -> dict:
+    """The environment of a torchrun launch: one thread each, no inherited rank, the exit probe on the path."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_RELPOS_EXIT_PROBE": str(probe_dir),
+        **extra,
+    }
+    path = extra.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join([str(EXIT_PROBE), path] if path else [str(EXIT_PROBE)])
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    return env
+
+
+def gloo_threads_at_exit(probe_dir: Path, world: int) -> dict:
+    """{rank: the gloo threads still alive when that rank's interpreter began to finalize} (ranks with any)."""
+    alive = {}
+    for rank in range(world):
+        path = probe_dir / f"threads-rank{rank}.json"
+        assert path.is_file(), f"rank {rank} did not reach interpreter exit normally (no {path.name})"
+        names = json.loads(path.read_text())
+        if names is None:  # no /proc on this platform
+            continue
+        gloo = [name for name in names if name in GLOO_THREADS]
+        if gloo:
+            alive[rank] = gloo
+    return alive
+
+
 def read_results(folder: Path, world: int) -> list:
     results = []
     for rank in range(world):
@@ -69,17 +122,8 @@ def ddp(tmp_path_factory):
     """Runs every scenario under ``torchrun --nproc_per_node 2`` once; returns (out_dir, returncode, log)."""
     out = tmp_path_factory.mktemp("ddp")
     port = free_port()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)
+    env = torchrun_env(out, MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(port),
@@ -92,7 +136,7 @@ def ddp(tmp_path_factory):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers: the session this launch started
         log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {LAUNCH_TIMEOUT} s:\n{log[-4000:]}")
+        pytest.fail(f"torchrun did not finish within {LAUNCH_TIMEOUT} s:\n{readable(log)}")
     return out, proc.returncode, log
 
 
@@ -135,10 +179,13 @@ def scenario(ddp, name):
 
 def test_both_ranks_finish(ddp):
     out, returncode, log = ddp
-    assert returncode == 0, f"torchrun exit code {returncode}:\n{log[-4000:]}"
+    assert returncode == 0, f"torchrun exit code {returncode}:\n{readable(log)}"
     for name in SCENARIOS:
         results = read_results(out / name, 2)
-        assert [r and (r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)], (name, log[-2000:])
+        assert [r and (r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)], (name, readable(log))
+    # The process group is destroyed, and gloo's threads joined, before the interpreter exits (see
+    # test_hf_relpos_train_under_torchrun).
+    assert not gloo_threads_at_exit(out, 2), gloo_threads_at_exit(out, 2)
 
 
 def test_only_rank_zero_writes_one_model_and_one_checkpoint(ddp):
@@ -302,9 +349,7 @@ def test_memory_trainer_resume_restores_every_ranks_memory(ddp):
 def test_hf_relpos_train_under_torchrun(tmp_path, scheme):
     """The CLI itself under torchrun (2 processes, gloo): both ranks train, rank 0 alone writes the folder."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)
+    env = torchrun_env(tmp_path)
     out = tmp_path / "model"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
@@ -313,7 +358,13 @@ def test_hf_relpos_train_under_torchrun(tmp_path, scheme):
     ]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    assert proc.returncode == 0, f"torchrun exit code {proc.returncode}:\n{readable(log)}"
+    # The cause of an occasional SIGABRT of rank 1 after training: a rank whose interpreter finalizes with
+    # gloo's worker threads alive, right after its last collective (Trainer's final all_gather), while such a
+    # thread still has to take the GIL to release that collective's tensors. Each rank must destroy the process
+    # group (joining gloo's threads) before it exits.
+    assert not gloo_threads_at_exit(tmp_path, 2), (
+        f"gloo threads alive at interpreter exit: {gloo_threads_at_exit(tmp_path, 2)}")
     assert log.count("Saved to") == 1, "exactly one rank must write the model folder"
     run = json.loads((out / "hf_relpos_run.json").read_text())
     assert run["processes"] == 2, "the ranks trained alone instead of as one DDP job"
