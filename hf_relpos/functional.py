@@ -27,6 +27,9 @@ __all__ = [
     "attention_with_bias",
     "t5_relative_position_bucket",
     "t5_position_bias",
+    "t5_saturation_distance",
+    "t5_bias_by_distance",
+    "saturating_bias_attention",
     "shaw_attention",
     "transformer_xl_attention",
     "sinusoidal_embedding",
@@ -358,6 +361,29 @@ def t5_position_bias(
     return per_distance[:, index].unsqueeze(0)
 
 
+def t5_saturation_distance(bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128) -> int:
+    """The smallest ``s`` from which every distance ``|d| >= s`` (on a side) falls in that side's last bucket.
+
+    Buckets grow with ``|d|`` and the last one is reached by ``max_distance`` at the latest, so
+    T5's bias is constant per head and side beyond ``s - 1``.
+    """
+    _check_t5_buckets(bidirectional, num_buckets, max_distance)
+    distances = torch.arange(max_distance + 1)
+    buckets = t5_relative_position_bucket(-distances, bidirectional, num_buckets, max_distance)
+    return int((buckets != buckets[-1]).nonzero().max()) + 1
+
+
+def t5_bias_by_distance(weight: torch.Tensor, *, bidirectional: bool = True, max_distance: int = 128) -> torch.Tensor:
+    """T5's bias per clipped distance -> ``[H, 2s+1]``: column ``s + d`` holds the bias of ``d = j - i``
+    for ``d = -s .. s``, where ``s`` = :func:`t5_saturation_distance`; columns ``0`` and ``2s`` hold the
+    bias of every farther distance on their side. The input :func:`saturating_bias_attention` takes."""
+    _check_tensor("weight", weight, 2, "[num_buckets, heads]")
+    s = t5_saturation_distance(bidirectional, weight.shape[0], max_distance)
+    distances = torch.arange(-s, s + 1, device=weight.device)
+    buckets = t5_relative_position_bucket(distances, bidirectional, weight.shape[0], max_distance)
+    return F.embedding(buckets, weight).t()
+
+
 # ----------------------------------------------------------------------------------
 # Shaw et al. 2018: relative key and value embeddings
 # ----------------------------------------------------------------------------------
@@ -389,23 +415,26 @@ def _key_windows(x: torch.Tensor, block: int, reach: int) -> torch.Tensor:
     return padded.unfold(2, block + 2 * reach, block)
 
 
-class _ShawBand:
-    """Shaw's scores and values inside the band ``|j - i| < k`` (self-attention, ``past_length = 0``).
+_BAND_BLOCK = 64  # query rows per block of the band
 
-    Query rows go in blocks of ``block``; each block meets the ``block + 2(k-1)`` keys its rows can
-    reach in one matmul, and :func:`_diagonals` keeps each row's ``2k-1`` band entries, so the band
-    costs ``O(n·(block + 2k)·D)`` with no ``[.., q, k, D]`` tensor. Band slot ``t`` holds key
-    ``j = i - (k-1) + t``, at clipped relative index ``r = t + 1``.
+
+class _Band:
+    """Scores and values inside the band ``|j - i| <= reach`` (self-attention, ``past_length = 0``).
+
+    Query rows go in blocks of ``block``; each block meets the ``block + 2·reach`` keys its rows can
+    reach in one matmul, and :func:`_diagonals` keeps each row's ``2·reach + 1`` band entries, so the
+    band costs ``O(n·(block + 2·reach)·D)`` with no ``[.., q, k, D]`` tensor. Band slot ``t`` holds key
+    ``j = i - reach + t`` (distance ``t - reach``), which is slot ``t + 1`` of the per-distance tables.
     """
 
-    def __init__(self, n: int, clip: int, causal: bool, block: int, device):
-        self.n, self.clip, self.reach, self.block = n, clip, clip - 1, block
-        self.width = 2 * clip - 1
+    def __init__(self, n: int, reach: int, causal: bool, block: int, device):
+        self.n, self.reach, self.block = n, reach, block
+        self.width = 2 * reach + 1
         t = torch.arange(self.width, device=device)
-        j = torch.arange(n, device=device)[:, None] - self.reach + t
+        j = torch.arange(n, device=device)[:, None] - reach + t
         valid = (j >= 0) & (j < n)
         if causal:
-            valid &= t <= self.reach
+            valid &= t <= reach
         self.invalid = ~valid  # [n, width]
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
@@ -413,15 +442,19 @@ class _ShawBand:
         x = F.pad(x, (0, 0, 0, -self.n % self.block))
         return x.view(*x.shape[:2], -1, self.block, x.shape[-1])
 
-    def scores(self, q, k, rel_k, scale):
-        """``[B, H, n, 2k-1]`` band scores ``(q_i·k_j + q_i·rel_k[r]) · scale``, ``-inf`` outside the sequence."""
+    def scores(self, q, k, rel_k, bias, scale):
+        """``[B, H, n, 2·reach+1]``: ``(q_i·k_j + q_i·rel_k[d]) · scale + bias[h, d]``, ``-inf`` outside the sequence."""
         full = self._blocks(q) @ _key_windows(k, self.block, self.reach)
         band = _diagonals(full, self.width).flatten(2, 3)[:, :, : self.n]
-        band = band + q @ rel_k[1:-1].transpose(0, 1)
-        return (band * scale).masked_fill(self.invalid, float("-inf"))
+        if rel_k is not None:
+            band = band + q @ rel_k[1:-1].transpose(0, 1)
+        band = band * scale
+        if bias is not None:
+            band = band + bias[:, None, 1:-1]
+        return band.masked_fill(self.invalid, float("-inf"))
 
     def values(self, probs, v, rel_v):
-        """``Σ_t probs[.., i, t] · (v_j + rel_v[r])`` -> ``[B, H, n, D]``."""
+        """``Σ_t probs[.., i, t] · (v_j + rel_v[d])`` -> ``[B, H, n, D]``."""
         full = _undiagonals(self._blocks(probs))
         out = (full @ _key_windows(v, self.block, self.reach).transpose(-1, -2)).flatten(2, 3)[:, :, : self.n]
         if rel_v is not None:
@@ -429,105 +462,118 @@ class _ShawBand:
         return out
 
 
-class _ShawBanded(torch.autograd.Function):
-    """Shaw attention as three parts merged by log-sum-exp (self-attention, no mask, ``k >= 1``).
+class _BandedAttention(torch.autograd.Function):
+    """Attention whose position terms stop changing beyond a distance, as three parts merged by log-sum-exp.
 
-    Beyond the clip distance the relative terms are constant per side:
-    ``q_i·k_j + q_i·rel_k[0] = q_i·(k_j + rel_k[0])`` for ``j <= i - k`` and likewise with ``rel_k[2k]``
-    for ``j >= i + k`` (and ``v_j + rel_v[..]`` for values). Those two ranges are plain causal
-    attention over shifted keys and values, run by SDPA's fused CPU kernel (the right one on the
-    reversed sequence); only the band ``|j - i| < k`` is explicit (:class:`_ShawBand`). The parts'
-    outputs merge with weights ``exp(lse_part - lse)``. The backward runs the fused kernel's backward
-    for each side with the merged output and log-sum-exp (which makes each part's gradient exact),
-    and differentiates the band by recomputing it.
+    The terms are per clipped distance ``d = clamp(j - i, -(reach+1), reach+1)``: a key vector
+    ``rel_k[d]`` (Shaw), a value vector ``rel_v[d]`` (Shaw) and a per-head logit ``bias[h, d]`` (T5's
+    bucketed bias, which saturates at its last bucket). For ``j <= i - (reach+1)`` they are constant:
+    ``q_i·k_j + q_i·rel_k[0] = q_i·(k_j + rel_k[0])``, values ``v_j + rel_v[0]``, and a constant logit
+    ``bias[h, 0]``, which leaves that part's softmax unchanged and adds to its log-sum-exp. So the
+    far-left (and, unless causal, far-right) key range is plain causal attention over shifted keys
+    and values, run by SDPA's fused CPU kernel (the right on the reversed sequence); only the band
+    ``|j - i| <= reach`` is explicit (:class:`_Band`). The parts' outputs merge with weights
+    ``exp(lse_part - lse)``. The backward runs the fused kernel's backward for each far part with the
+    merged output and log-sum-exp (less the part's constant logit), which makes that part's gradient
+    exact; the constant logit's gradient is ``Σ_i mass_i (dO_i·O_part_i - dO_i·O_i)``, the sum of the
+    softmax gradient ``dS = P ⊙ (dP - rowsum(dO ⊙ O))`` over the part, from the part's own output
+    and probability mass. The band is differentiated by recomputing it.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, rel_k, rel_v, clip, causal, scale, block):
+    def forward(ctx, q, k, v, rel_k, rel_v, bias, reach, causal, scale, block):
         work = torch.promote_types(q.dtype, torch.float32)
-        band = _ShawBand(q.shape[2], clip, causal, block, q.device)
-        s = band.scores(q.to(work), k.to(work), rel_k.to(work), scale)
+        cast = lambda t: None if t is None else t.to(work)  # noqa: E731
+        band = _Band(q.shape[2], reach, causal, block, q.device)
+        s = band.scores(q.to(work), k.to(work), cast(rel_k), cast(bias), scale)
         lse = torch.logsumexp(s, dim=-1)  # the diagonal is always in the band: finite
-        out = band.values(torch.exp(s - lse[..., None]), v.to(work), None if rel_v is None else rel_v.to(work))
+        out = band.values(torch.exp(s - lse[..., None]), v.to(work), cast(rel_v))
         del s
-        for side in _ShawBanded._sides(q, k, v, rel_k, rel_v, clip, causal):
+        parts = []
+        for side in _BandedAttention._sides(q, k, v, rel_k, rel_v, bias, reach, causal):
             part_out, part_lse = _flash_cpu(*side["qkv"], 0.0, True, scale=scale)
             rows = side["rows"]
-            part_out, part_lse = side["unflip"](part_out).to(work), side["unflip"](part_lse)
+            part_out, part_lse = side["unflip"](part_out).to(work), side["unflip"](part_lse) + side["logit"]
             merged = torch.logaddexp(lse[:, :, rows], part_lse)
             out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None] + part_out * torch.exp(
                 part_lse - merged
             )[..., None]
             lse[:, :, rows] = merged
+            if bias is not None and ctx.needs_input_grad[5]:
+                parts += [part_out, part_lse]
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, rel_k, rel_v, out, lse)
-        ctx.clip, ctx.causal, ctx.scale, ctx.block = clip, causal, scale, block
+        ctx.save_for_backward(q, k, v, rel_k, rel_v, bias, out, lse, *parts)
+        ctx.reach, ctx.causal, ctx.scale, ctx.block = reach, causal, scale, block
         return out
 
     @staticmethod
-    def _sides(q, k, v, rel_k, rel_v, clip, causal):
-        """The far-left part (and far-right unless causal) as causal-kernel inputs: rows ``i >= clip`` of
-        the (reversed, for the right) sequence attend keys ``j <= i - clip``, i.e. the top-left causal
-        pattern of the query rows shifted by ``clip``."""
-        n = q.shape[2]
-        shift_v = lambda idx: v if rel_v is None else v + rel_v[idx].to(v.dtype)  # noqa: E731
+    def _sides(q, k, v, rel_k, rel_v, bias, reach, causal):
+        """The far-left part (and far-right unless causal) as causal-kernel inputs: rows ``i > reach`` of
+        the (reversed, for the right) sequence attend keys ``j < i - reach``, i.e. the top-left causal
+        pattern of the query rows shifted by ``reach + 1``; ``logit`` is the part's ``[H, 1]`` constant."""
+        n, first = q.shape[2], reach + 1
+        shift = lambda x, table, idx: x if table is None else x + table[idx].to(x.dtype)  # noqa: E731
+        logit = lambda idx: 0.0 if bias is None else bias[:, idx, None].to(torch.promote_types(q.dtype, torch.float32))  # noqa: E731
+        same = lambda t: t  # noqa: E731
         sides = [
-            dict(qkv=(q[:, :, clip:], k + rel_k[0].to(k.dtype), shift_v(0)), rows=slice(clip, n), unflip=lambda t: t, flip=False)
+            dict(qkv=(q[:, :, first:], shift(k, rel_k, 0), shift(v, rel_v, 0)), rows=slice(first, n), unflip=same,
+                 index=0, logit=logit(0))
         ]
         if not causal:
             flip = lambda t: t.flip(2)  # noqa: E731
             sides.append(
-                dict(
-                    qkv=(flip(q)[:, :, clip:], flip(k + rel_k[-1].to(k.dtype)), flip(shift_v(-1))),
-                    rows=slice(0, n - clip),
-                    unflip=flip,
-                    flip=True,
-                )
+                dict(qkv=(flip(q)[:, :, first:], flip(shift(k, rel_k, -1)), flip(shift(v, rel_v, -1))),
+                     rows=slice(0, n - first), unflip=flip, index=-1, logit=logit(-1))
             )
         return sides
 
     @staticmethod
     @once_differentiable  # the fused kernel's backward has no derivative of its own
     def backward(ctx, grad_out):
-        q, k, v, rel_k, rel_v, out, lse = ctx.saved_tensors
-        clip, causal, scale = ctx.clip, ctx.causal, ctx.scale
+        q, k, v, rel_k, rel_v, bias, out, lse, *parts = ctx.saved_tensors
+        reach, causal, scale = ctx.reach, ctx.causal, ctx.scale
         work = torch.promote_types(q.dtype, torch.float32)
         grad_out = grad_out.contiguous()
+        g = grad_out.to(work)
+        delta = (g * out.to(work)).sum(-1)
         # The band, differentiated by recomputing it against the merged log-sum-exp: with
         # P = exp(s - lse) and delta_i = dO_i·O_i, the surrogate Σ dO·(P V') - Σ_i delta_i Σ_t P_it
         # has d/ds = P ⊙ (dO·v' - delta), the softmax gradient.
         with torch.enable_grad():
-            leaves = [t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k)]
-            leaves.append(None if rel_v is None else rel_v.detach().to(work).requires_grad_())
-            band = _ShawBand(q.shape[2], clip, causal, ctx.block, q.device)
-            probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], scale) - lse[..., None])
-            g = grad_out.to(work)
-            delta = (g * out.to(work)).sum(-1)
+            leaves = [None if t is None else t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k, rel_v, bias)]
+            band = _Band(q.shape[2], reach, causal, ctx.block, q.device)
+            probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], leaves[5], scale) - lse[..., None])
             surrogate = (band.values(probs, leaves[2], leaves[4]) * g).sum() - (probs.sum(-1) * delta).sum()
             wanted = [t for t in leaves if t is not None]
-            grads = list(torch.autograd.grad(surrogate, wanted))
-        dq, dk, dv, drel_k = grads[:4]
-        drel_v = grads[4] if rel_v is not None else None
-        for side in _ShawBanded._sides(q, k, v, rel_k, rel_v, clip, causal):
-            rows, flip = side["rows"], side["unflip"]
+            found = iter(torch.autograd.grad(surrogate, wanted))
+            dq, dk, dv, drel_k, drel_v, dbias = (None if t is None else next(found) for t in leaves)
+        for number, side in enumerate(_BandedAttention._sides(q, k, v, rel_k, rel_v, bias, reach, causal)):
+            rows, flip, first = side["rows"], side["unflip"], reach + 1
             sq, sk, sv = side["qkv"]
+            kernel_lse = (lse[:, :, rows] - side["logit"]) if bias is not None else lse[:, :, rows]
             gq, gk, gv = _flash_cpu_backward(
-                flip(grad_out)[:, :, clip:], sq, sk, sv, flip(out)[:, :, clip:].contiguous(),
-                flip(lse)[:, :, clip:].contiguous(), 0.0, True, scale=scale,
+                flip(grad_out)[:, :, first:], sq, sk, sv, flip(out)[:, :, first:].contiguous(),
+                flip(kernel_lse).to(lse.dtype).contiguous(), 0.0, True, scale=scale,
             )
             gq, gk, gv = flip(gq), flip(gk), flip(gv)
             dq[:, :, rows] += gq
             dk += gk
             dv += gv
-            index = -1 if side["flip"] else 0
-            drel_k[index] += gk.sum((0, 1, 2))
+            index = side["index"]
+            if drel_k is not None:
+                drel_k[index] += gk.sum((0, 1, 2))
             if drel_v is not None:
                 drel_v[index] += gv.sum((0, 1, 2))
+            if dbias is not None and parts:
+                part_out, part_lse = parts[2 * number], parts[2 * number + 1]
+                mass = torch.exp(part_lse - lse[:, :, rows])
+                dbias[:, index] += (mass * ((g[:, :, rows] * part_out).sum(-1) - delta[:, :, rows])).sum((0, 2))
         cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
-        return cast(dq, q), cast(dk, k), cast(dv, v), cast(drel_k, rel_k), cast(drel_v, rel_v), None, None, None, None
+        grads = [cast(d, t) for d, t in zip((dq, dk, dv, drel_k, drel_v, dbias), (q, k, v, rel_k, rel_v, bias))]
+        return (*grads, None, None, None, None)
 
 
-def _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p) -> bool:
+def _banded_applies(q, k, v, reach, attention_mask, past_length, dropout_p, min_length) -> bool:
     """The band decomposition runs for CPU self-attention without a mask, cache or dropout, when long enough to pay."""
     n = q.shape[2]
     return (
@@ -538,13 +584,58 @@ def _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_le
         and k.shape[2] == n
         and v.shape[-1] == q.shape[-1]  # the fused kernel needs one head size
         and q.numel() > 0
-        and max_relative_position >= 1
-        and n >= max(_SHAW_BAND_MIN_LENGTH, 2 * max_relative_position + 1)
+        and n >= max(min_length, reach + 2)  # each far part has a row
     )
 
 
-# Below this the gathered [B, H, n, n] form is faster on CPU (scripts/bench_shaw_band.py measures the crossover).
+def _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p) -> bool:
+    return max_relative_position >= 1 and _banded_applies(
+        q, k, v, max_relative_position - 1, attention_mask, past_length, dropout_p, _SHAW_BAND_MIN_LENGTH
+    )
+
+
+# Below this the gathered [B, H, n, n] form is faster on CPU (scripts/bench_band.py --scheme shaw measures the crossover).
 _SHAW_BAND_MIN_LENGTH = 512
+
+
+def saturating_bias_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Self-attention with a per-head bias of the relative distance that is constant beyond ``s`` -> ``[B, H, n, D]``.
+
+    ``bias`` is ``[H, 2s+1]``: ``B[h, i, j] = bias[h, clamp(j - i, -s, s) + s]`` (T5's bucketed bias
+    is such a bias: :func:`t5_bias_by_distance`). ``softmax(q k^T · scale + B) v``; ``is_causal`` masks
+    keys ``j > i``. On CPU, once ``n`` is long enough, the band ``|j - i| < s`` is explicit and the
+    ranges beyond it run in the fused kernel (:class:`_BandedAttention`): no ``[B|1, H, n, n]`` tensor,
+    and a causal model skips the masked half. Otherwise the bias is spread over ``[1, H, n, n]``.
+    """
+    _check_qkv(q, k, v)
+    B, H, n, D = q.shape
+    if k.shape[2] != n:
+        raise ValueError(f"k must have q's length {n} (self-attention), got k of shape {tuple(k.shape)}")
+    _check_tensor("bias", bias, 2, "[heads, 2s+1]")
+    if bias.shape[0] != H or bias.shape[1] % 2 != 1 or bias.shape[1] < 3:
+        raise ValueError(f"bias must have shape [heads={H}, 2s+1] with s >= 1, got {tuple(bias.shape)}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    reach = bias.shape[1] // 2 - 1
+    if _banded_applies(q, k, v, reach, None, 0, 0.0, _BIAS_BAND_MIN_LENGTH):
+        q, k, v = _unit_stride(q, k, v)
+        return _BandedAttention.apply(q, k, v, None, None, bias, reach, is_causal, scale, _BAND_BLOCK)
+    index = _relative_distance(n, n, 0, bias.device).clamp(-reach - 1, reach + 1) + reach + 1
+    full = bias[:, index].unsqueeze(0)
+    if is_causal:
+        full = full.masked_fill(~_causal_pattern(n, n, 0, bias.device), torch.finfo(full.dtype).min)
+    return attention_with_bias(q, k, v, full, scale=scale)
+
+
+# Below this the bias spread over [1, H, n, n] in the fused kernel is as fast on CPU (scripts/bench_band.py --scheme t5_bias).
+_BIAS_BAND_MIN_LENGTH = 512
 
 
 def shaw_attention(
@@ -569,7 +660,7 @@ def shaw_attention(
 
     Never forms a ``[.., q, k, D]`` tensor. On CPU, self-attention without mask, cache or dropout
     splits into far-left and far-right parts run by the fused kernel and a band ``|j - i| < k``
-    (:class:`_ShawBanded`), so no ``[B, H, Q, K]`` tensor is formed either. Otherwise the key term is
+    (:class:`_BandedAttention`), so no ``[B, H, Q, K]`` tensor is formed either. Otherwise the key term is
     ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``) gathered by ``r_ij``, and the value term sums ``a`` per
     clipped distance (``[B, H, Q, 2k+1]``) and multiplies by ``rel_v``.
 
@@ -600,7 +691,9 @@ def shaw_attention(
 
     if not need_weights and _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p):
         q, k, v = _unit_stride(q, k, v)
-        return _ShawBanded.apply(q, k, v, rel_k, rel_v, max_relative_position, is_causal, 1.0 / math.sqrt(D), 64)
+        return _BandedAttention.apply(
+            q, k, v, rel_k, rel_v, None, max_relative_position - 1, is_causal, 1.0 / math.sqrt(D), _BAND_BLOCK
+        )
 
     rel_index = _relative_distance(Q, K, past_length, q.device)
     rel_index = rel_index.clamp(-max_relative_position, max_relative_position) + max_relative_position

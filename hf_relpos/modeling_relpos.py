@@ -35,8 +35,10 @@ from .functional import (
     alibi_slopes,
     attention_with_bias,
     log_decay_bias,
+    saturating_bias_attention,
     shaw_attention,
     sinusoidal_embedding,
+    t5_bias_by_distance,
     t5_position_bias,
     transformer_xl_attention,
 )
@@ -294,18 +296,47 @@ class T5BiasScheme(AdditiveBiasScheme):
         self.bidirectional = not config.is_decoder
         self.max_distance = config.relative_attention_max_distance
         self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+        self.attention_dropout = config.attention_dropout
 
     def bias(self, ctx, device, dtype):
-        table = self.relative_attention_bias
-        weight = table(torch.arange(table.num_embeddings, device=device))
         return t5_position_bias(
-            weight,
+            self._weight(device),
             ctx.query_length,
             ctx.key_length,
             bidirectional=self.bidirectional,
             max_distance=self.max_distance,
             past_length=ctx.past_length,
         )
+
+    def _weight(self, device) -> torch.Tensor:
+        table = self.relative_attention_bias
+        return table(torch.arange(table.num_embeddings, device=device))
+
+    def _banded(self, ctx: PositionContext, device) -> bool:
+        """Self-attention with nothing masked beyond causality, on CPU's fused kernel (which picks the band
+        decomposition once the sequence is long enough to pay)."""
+        return (
+            ctx.attn_implementation == "sdpa"
+            and device.type == "cpu"
+            and ctx.mask is None
+            and ctx.past_length == 0
+            and ctx.key_length == ctx.query_length
+            and not (self.training and self.attention_dropout > 0.0)
+        )
+
+    def forward(self, ctx, device, dtype):
+        if self._banded(ctx, device):
+            # The bias per clipped distance [H, 2s+1]: beyond s it is constant, and those key ranges run in
+            # the fused kernel (saturating_bias_attention); no [1, H, Q, K] bias is formed.
+            weight = self._weight(device)
+            return t5_bias_by_distance(weight, bidirectional=self.bidirectional, max_distance=self.max_distance).to(dtype)
+        return super().forward(ctx, device, dtype)
+
+    def attend(self, attn, query, key, value, bias, ctx):
+        if bias.dim() == 2:  # the per-distance form of forward()
+            out = saturating_bias_attention(query, key, value, bias, is_causal=ctx.causal, scale=attn.scaling)
+            return out.transpose(1, 2), None
+        return super().attend(attn, query, key, value, bias, ctx)
 
 
 class LogDecayScheme(AdditiveBiasScheme):

@@ -1,4 +1,4 @@
-"""The band decomposition of Shaw attention (``functional._ShawBanded``) against the loop oracles.
+"""The band decomposition of Shaw attention (``functional._BandedAttention``) against the loop oracles.
 
 ``shaw_attention`` takes this path on CPU for self-attention without mask, cache or dropout once
 the sequence is ``_SHAW_BAND_MIN_LENGTH`` long (512). The tests lower that threshold so that the
@@ -169,8 +169,8 @@ def test_model_takes_the_band_and_matches_the_gathered_form(banded_from_any_leng
         torch.nn.init.normal_(layer.self_attn.relative.rel_v, std=0.5)
     ids = torch.randint(0, 64, (2, 160))
     calls = []
-    real = F._ShawBanded.apply
-    monkeypatch.setattr(F._ShawBanded, "apply", lambda *a: calls.append(1) or real(*a))
+    real = F._BandedAttention.apply
+    monkeypatch.setattr(F._BandedAttention, "apply", lambda *a: calls.append(1) or real(*a))
 
     def run():
         model.zero_grad()

@@ -1,0 +1,194 @@
+"""T5's bias through the band decomposition (``saturating_bias_attention``) against float64 oracles.
+
+The oracle builds the bias of every (query, key) pair from upstream Transformers' own
+``T5Attention._relative_position_bucket`` and runs a plain float64 softmax: nothing in it comes
+from the banded code. On CPU the band is taken from ``_BIAS_BAND_MIN_LENGTH`` (512) tokens; the
+tests lower that threshold so the oracles stay fast, and check that the banded path really ran.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_relpos import functional as F
+from test_shaw_banded import _LargestTensor
+
+
+def upstream_bucket(distance, bidirectional, num_buckets, max_distance):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    return T5Attention._relative_position_bucket(
+        distance, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+
+
+def t5_attention_oracle(q, k, v, weight, *, bidirectional, max_distance, causal):
+    """softmax(q k^T / sqrt(D) + weight[bucket(j - i)]) v in float64, keys j > i masked when causal."""
+    n, D = q.shape[2], q.shape[3]
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    buckets = upstream_bucket(j - i, bidirectional, weight.shape[0], max_distance)
+    bias = weight.double()[buckets].permute(2, 0, 1)  # [H, n, n]
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D) + bias
+    if causal:
+        scores = scores.masked_fill(j > i, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v.double()
+
+
+def inputs(seed, B, H, n, D, num_buckets, dtype=torch.float64, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)  # noqa: E731
+    return make(B, H, n, D), make(B, H, n, D), make(B, H, n, D), make(num_buckets, H)
+
+
+@pytest.fixture
+def band(monkeypatch):
+    """Band from any length, and a record of the calls that took it."""
+    monkeypatch.setattr(F, "_BIAS_BAND_MIN_LENGTH", 1)
+    calls = []
+    real = F._BandedAttention.apply
+    monkeypatch.setattr(F._BandedAttention, "apply", lambda *a: calls.append(a[6]) or real(*a))
+    return calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(bidirectional=st.booleans(), num_buckets=st.integers(2, 40), max_distance=st.integers(2, 300))
+def test_saturation_distance_is_where_upstream_buckets_stop_changing(bidirectional, num_buckets, max_distance):
+    one_side = num_buckets // 2 if bidirectional else num_buckets
+    if one_side // 2 < 1 or max_distance <= one_side // 2:
+        return  # configurations upstream cannot bucket (t5_relative_position_bucket refuses them)
+    s = F.t5_saturation_distance(bidirectional, num_buckets, max_distance)
+    d = torch.arange(0, 3 * max_distance + 5)
+    left = upstream_bucket(-d, bidirectional, num_buckets, max_distance)
+    assert (left[s:] == left[-1]).all() and left[s - 1] != left[-1]
+    if bidirectional:
+        right = upstream_bucket(d, bidirectional, num_buckets, max_distance)
+        assert (right[s:] == right[-1]).all() and right[s - 1] != right[-1]
+
+
+@pytest.mark.parametrize(
+    "n,num_buckets,max_distance,causal",
+    [
+        (9, 4, 6, False),  # s = 1: the band is the diagonal alone
+        (40, 8, 20, False),
+        (40, 8, 20, True),
+        (70, 16, 30, False),  # n crosses the band's block (64)
+        (200, 32, 128, False),  # s = 91: a band wider than a block, n not a multiple of it
+        (100, 32, 128, False),  # the band reaches past both ends of most rows
+        (200, 32, 128, True),
+    ],
+)
+def test_values_and_gradients_match_float64_oracle(band, n, num_buckets, max_distance, causal):
+    q, k, v, weight = inputs(n + num_buckets, 2, 3, n, 5, num_buckets)
+    table = F.t5_bias_by_distance(weight, bidirectional=not causal, max_distance=max_distance)
+    got = F.saturating_bias_attention(q, k, v, table, is_causal=causal)
+    assert len(band) == 1
+    want = t5_attention_oracle(q, k, v, weight, bidirectional=not causal, max_distance=max_distance, causal=causal)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    leaves = (q, k, v, weight)
+    for name, a, b in zip("q k v weight".split(), torch.autograd.grad(got, leaves, grad_out),
+                          torch.autograd.grad(want, leaves, grad_out)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck(band, causal):
+    q, k, v, _ = inputs(3, 1, 2, 13, 3, 4)
+    table = torch.randn(2, 7, dtype=torch.float64, requires_grad=True)  # any per-distance bias, s = 3
+    assert torch.autograd.gradcheck(lambda *t: F.saturating_bias_attention(*t, is_causal=causal), (q, k, v, table))
+    assert band
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_band_matches_the_spread_bias_it_replaces(band, monkeypatch, causal):
+    """The banded path against the bias spread over [1, H, n, n] in attention_with_bias (fp32, as models run)."""
+    q, k, v, weight = inputs(7, 2, 4, 300, 16, 32, dtype=torch.float32)
+    leaves = (q, k, v, weight)
+    run = lambda: F.saturating_bias_attention(  # noqa: E731
+        q, k, v, F.t5_bias_by_distance(weight, bidirectional=not causal), is_causal=causal
+    )
+    banded = run()
+    grad_out = torch.randn_like(banded)
+    banded_grads = torch.autograd.grad(banded, leaves, grad_out)
+    monkeypatch.setattr(F, "_BIAS_BAND_MIN_LENGTH", 10**9)
+    spread = run()
+    spread_grads = torch.autograd.grad(spread, leaves, grad_out)
+    assert len(band) == 1
+    torch.testing.assert_close(banded, spread, rtol=1e-5, atol=1e-5)
+    for a, b in zip(banded_grads, spread_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_close_to_float64(band):
+    n = 160
+    q, k, v, weight = inputs(21, 1, 2, n, 16, 8, dtype=torch.bfloat16)
+    table = F.t5_bias_by_distance(weight, max_distance=20)
+    out = F.saturating_bias_attention(q, k, v, table)
+    assert out.dtype == torch.bfloat16 and band
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad(out, (q, k, v, weight), grad_out.bfloat16())
+    ref = [t.detach().double().requires_grad_(True) for t in (q, k, v, weight)]
+    want_out = t5_attention_oracle(*ref, bidirectional=True, max_distance=20, causal=False)
+    want = torch.autograd.grad(want_out, ref, grad_out.double())
+    assert ((out.double() - want_out).norm() / want_out.norm()) < 1e-2
+    for name, a, b in zip("q k v weight".split(), got, want):
+        assert a.dtype == torch.bfloat16
+        assert ((a.double() - b).norm() / b.norm()) < 2e-2, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_never_forms_a_query_by_key_tensor(causal):
+    """At the real threshold (512): forward and backward stay O(B·H·n·(block + 2s)), no [B, H, n, n] tensor."""
+    B, H, n = 1, 2, 1024
+    q, k, v, weight = inputs(2, B, H, n, 8, 8, dtype=torch.float32)
+    table = F.t5_bias_by_distance(weight, bidirectional=not causal, max_distance=20)
+    with _LargestTensor() as seen:
+        F.saturating_bias_attention(q, k, v, table, is_causal=causal).sum().backward()
+    assert seen.largest < B * H * n * n // 4, seen.largest
+
+
+def test_rejects_a_bias_that_is_not_per_head_and_distance():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"bias must have shape \[heads=2, 2s\+1\]"):
+        F.saturating_bias_attention(q, q, q, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        F.saturating_bias_attention(q, q, q, torch.zeros(3, 5))
+    with pytest.raises(ValueError, match="self-attention"):
+        F.saturating_bias_attention(q, q[:, :, :5], q[:, :, :5], torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("is_decoder", [False, True])
+def test_model_takes_the_band_and_matches_the_full_bias(band, monkeypatch, is_decoder):
+    """A T5-bias model on 150 tokens (no padding): the band gives the outputs and gradients (the shared
+    table's included) of the model with the full [1, H, n, n] bias, which the model tests check
+    against the float64 model oracle."""
+    from hf_relpos import RelPosConfig, RelPosModel
+
+    config = RelPosConfig(position_encoding="t5_bias", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=64, is_decoder=is_decoder,
+                          relative_attention_num_buckets=16, relative_attention_max_distance=40)
+    torch.manual_seed(0)
+    model = RelPosModel(config)
+    torch.nn.init.normal_(model.position.relative_attention_bias.weight, std=1.0)
+    ids = torch.randint(0, 64, (2, 150))
+
+    def run():
+        model.zero_grad()
+        out = model(input_ids=ids).last_hidden_state
+        out.pow(2).mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    banded_out, banded_grads = run()
+    assert len(band) == config.num_hidden_layers
+    monkeypatch.setattr(model.position, "_banded", lambda ctx, device: False)
+    full_out, full_grads = run()
+    assert len(band) == config.num_hidden_layers
+    torch.testing.assert_close(banded_out, full_out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(banded_grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
