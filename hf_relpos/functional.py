@@ -36,6 +36,8 @@ __all__ = [
     "log_decay_bias",
     "alibi_slopes",
     "alibi_bias",
+    "alibi_key_bias",
+    "causal_key_bias_attention",
 ]
 
 
@@ -1002,3 +1004,51 @@ def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past
     compute = torch.float64 if slopes.dtype == torch.float64 else torch.float32
     bias = -slopes.to(compute)[:, None, None] * distance.to(compute) + 0.0
     return bias.to(slopes.dtype).unsqueeze(0)
+
+
+def alibi_key_bias(slopes: torch.Tensor, key_length: int) -> torch.Tensor:
+    """ALiBi's causal bias as a bias per key -> ``[H, K]``: ``m_h · (j - (K - 1))``.
+
+    For a query at ``i`` and keys ``j <= i``, ``-m_h (i - j) = m_h (j - (K-1)) - m_h (i - (K-1))``, and the
+    last term is constant along the query's row, which softmax ignores. Measured from the last key,
+    so the most recent keys carry the smallest values. :func:`causal_key_bias_attention` takes it.
+    """
+    _check_tensor("slopes", slopes, 1, "[heads]")
+    key_length = _check_int("key_length", key_length)
+    compute = torch.float64 if slopes.dtype == torch.float64 else torch.float32
+    j = torch.arange(key_length, device=slopes.device, dtype=compute)
+    return (slopes.to(compute)[:, None] * (j - (key_length - 1)) + 0.0).to(slopes.dtype)
+
+
+def causal_key_bias_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor, *, scale: Optional[float] = None
+) -> torch.Tensor:
+    """Causal self-attention with a bias per key: ``softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j]) v`` -> ``[B, H, n, D]``.
+
+    ``key_bias`` is ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`). On CPU in float32/float64 the bias
+    rides as a ``[1, H, 1, n]`` mask in SDPA's fused kernel together with its causal flag, which skips
+    the masked half: no ``[Q, K]`` tensor. The price is rounding: the kernel adds ``key_bias`` to the
+    scores in the inputs' precision, so a row's logits carry an error of about
+    ``eps · |key_bias[h, i]|`` (ALiBi: ``eps · m_h · (n-1-i)``; 5e-5 at n = 2048 with slope 1/2 in float32,
+    against 1e-6 for the exact form). Elsewhere (other devices, half precision, where that error
+    would be large) the bias is applied exactly as ``key_bias[h, j] - key_bias[h, i]`` over ``[1, H, n, n]``.
+    """
+    _check_qkv(q, k, v)
+    B, H, n, D = q.shape
+    if k.shape[2] != n:
+        raise ValueError(f"k must have q's length {n} (self-attention), got k of shape {tuple(k.shape)}")
+    _check_tensor("key_bias", key_bias, 2, "[heads, k_len]")
+    if tuple(key_bias.shape) != (H, n):
+        raise ValueError(f"key_bias must have shape [heads, k_len] = [{H}, {n}], got {tuple(key_bias.shape)}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    fused = (
+        q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
+        and v.shape[-1] == D  # the fused kernel needs one head size
+    )
+    if fused:
+        q, k, v = _unit_stride(q, k, v)
+        return _flash_cpu(q, k, v, 0.0, True, attn_mask=key_bias.to(q.dtype)[None, :, None, :], scale=scale)[0]
+    work = torch.promote_types(key_bias.dtype, torch.float32)
+    exact = key_bias.to(work)[:, None, :] - key_bias.to(work)[:, :, None]
+    exact = exact.masked_fill(~_causal_pattern(n, n, 0, q.device), float("-inf")).unsqueeze(0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=exact.to(q.dtype), scale=scale)

@@ -32,8 +32,10 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_relpos import RelPosConfig
 from .functional import (
     alibi_bias,
+    alibi_key_bias,
     alibi_slopes,
     attention_with_bias,
+    causal_key_bias_attention,
     log_decay_bias,
     saturating_bias_attention,
     shaw_attention,
@@ -359,9 +361,39 @@ class AlibiScheme(AdditiveBiasScheme):
 
     # Fixed tables are computed on the fly in float32 rather than kept as buffers, which `.to(bf16)`
     # would round (and `from_pretrained` would rebuild in float32: a model that changes when reloaded).
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.attention_dropout = config.attention_dropout
+
     def bias(self, ctx, device, dtype):
         slopes = alibi_slopes(self.num_heads, device=device, dtype=torch.float32)
         return alibi_bias(slopes, ctx.query_length, ctx.key_length, past_length=ctx.past_length)
+
+    def _per_key(self, ctx: PositionContext, device, dtype) -> bool:
+        """Causal self-attention with nothing else masked, on CPU's fused kernel in full precision."""
+        return (
+            ctx.causal
+            and ctx.attn_implementation == "sdpa"
+            and device.type == "cpu"
+            and dtype in (torch.float32, torch.float64)
+            and ctx.mask is None
+            and ctx.past_length == 0
+            and ctx.key_length == ctx.query_length > 1
+            and not (self.training and self.attention_dropout > 0.0)
+        )
+
+    def forward(self, ctx, device, dtype):
+        if self._per_key(ctx, device, dtype):
+            # Causal ALiBi is a bias per key [H, K] (softmax ignores the row constant): it rides in the fused
+            # causal kernel (causal_key_bias_attention), with no [1, H, Q, K] bias.
+            slopes = alibi_slopes(self.num_heads, device=device, dtype=torch.float32)
+            return alibi_key_bias(slopes, ctx.key_length).to(dtype)
+        return super().forward(ctx, device, dtype)
+
+    def attend(self, attn, query, key, value, bias, ctx):
+        if bias.dim() == 2:  # the per-key form of forward()
+            return causal_key_bias_attention(query, key, value, bias, scale=attn.scaling).transpose(1, 2), None
+        return super().attend(attn, query, key, value, bias, ctx)
 
 
 class RopeScheme(PositionScheme):

@@ -559,15 +559,17 @@ def test_bias_computed_once_for_new_rows(monkeypatch, position_encoding, impl):
     assert model.config.num_hidden_layers > 1
     name = BIAS_FUNCTIONS[position_encoding]
     calls = _recorder(monkeypatch, name)
-    # The T5 bias of a prefill without padding (CPU, sdpa) is the per-distance table of the band decomposition.
-    per_distance = _recorder(monkeypatch, "t5_bias_by_distance") if position_encoding == "t5_bias" else []
+    # A prefill without padding (CPU, sdpa) makes the T5 bias as the per-distance table of the band
+    # decomposition, and causal ALiBi as a bias per key.
+    other = {"t5_bias": "t5_bias_by_distance", "alibi": "alibi_key_bias"}.get(position_encoding)
+    per_distance = _recorder(monkeypatch, other) if other else []
     P = 7
     ids = rand_ids(2, P + 4, seed=4)
     with torch.no_grad():
         out = model(ids[:, :P], use_cache=True)
         made = len(calls) + len(per_distance)
         assert made == 1, f"the bias made {made} times for one forward (once per layer?)"
-        assert len(per_distance) == (impl == "sdpa" and position_encoding == "t5_bias")
+        assert len(per_distance) == (impl == "sdpa" and other is not None)
         cache = out.past_key_values
         for new in (1, 3):
             calls.clear()

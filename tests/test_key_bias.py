@@ -1,0 +1,125 @@
+"""Causal ALiBi as a bias per key (``causal_key_bias_attention``, ``alibi_key_bias``) against float64 oracles.
+
+The oracle is the paper's form: ``softmax_{j <= i}(q_i·k_j / sqrt(D) - m_h (i - j)) v`` with the slopes
+of the independent ``alibi_slopes_ref``, in float64 loops over (i, j) for the bias.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_relpos import functional as F
+from oracles import alibi_slopes_ref
+from test_shaw_banded import _LargestTensor
+
+
+def alibi_causal_oracle(q, k, v, slopes):
+    n, D = q.shape[2], q.shape[3]
+    bias = torch.zeros(len(slopes), n, n, dtype=torch.float64)
+    for h, m in enumerate(slopes):
+        for i in range(n):
+            for j in range(n):
+                bias[h, i, j] = -m * (i - j) if j <= i else float("-inf")
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D) + bias
+    return torch.softmax(scores, dim=-1) @ v.double()
+
+
+def inputs(seed, B, H, n, D, dtype=torch.float64, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+@pytest.mark.parametrize("H,n", [(1, 1), (4, 37), (6, 80), (8, 130)])  # 6: slopes of a non-power of two
+def test_values_and_gradients_match_float64_oracle(H, n):
+    q, k, v = inputs(H * n, 2, H, n, 8)
+    slopes = torch.tensor(alibi_slopes_ref(H), dtype=torch.float64)
+    key_bias = F.alibi_key_bias(slopes, n)
+    got = F.causal_key_bias_attention(q, k, v, key_bias)
+    want = alibi_causal_oracle(q, k, v, alibi_slopes_ref(H))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), grad_out),
+                          torch.autograd.grad(want, (q, k, v), grad_out)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_float32_rounding_within_its_stated_bound():
+    """float32 at n = 1024: the logits of the first rows carry about eps · m · n, and the output error
+    stays within a small multiple of that bound."""
+    H, n = 8, 1024
+    q, k, v = inputs(5, 1, H, n, 16, dtype=torch.float32, requires_grad=False)
+    slopes = F.alibi_slopes(H)
+    want = alibi_causal_oracle(q[:, :, :96], k[:, :, :96], v[:, :, :96], alibi_slopes_ref(H))  # first rows: worst
+    got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(slopes, n))[:, :, :96]
+    bound = torch.finfo(torch.float32).eps * float(slopes.max()) * n
+    err = (got.double() - want).abs().max().item()
+    assert err < 4 * bound, (err, bound)
+
+
+def test_half_precision_takes_the_exact_form():
+    """bfloat16 would round ``m (j - (n-1))`` to steps of up to 8 at n = 2048: the exact relative form runs instead."""
+    H, n = 4, 300
+    q, k, v = inputs(9, 1, H, n, 16, dtype=torch.bfloat16, requires_grad=False)
+    got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(F.alibi_slopes(H), n))
+    want = alibi_causal_oracle(q, k, v, alibi_slopes_ref(H))
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_forms_no_query_by_key_tensor():
+    B, H, n = 1, 2, 1024
+    q, k, v = inputs(2, B, H, n, 8, dtype=torch.float32)
+    with _LargestTensor() as seen:
+        F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(F.alibi_slopes(H), n)).sum().backward()
+    assert seen.largest < B * H * n * n // 4, seen.largest
+
+
+def test_rejects_a_bias_that_is_not_per_head_and_key():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"key_bias must have shape \[heads, k_len\] = \[2, 8\]"):
+        F.causal_key_bias_attention(q, q, q, torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="self-attention"):
+        F.causal_key_bias_attention(q, q[:, :, :5], q[:, :, :5], torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_model_takes_the_per_key_form_and_matches_the_full_bias(monkeypatch, use_cache):
+    """A causal ALiBi model (float64, no padding): the per-key form gives the logits and gradients of the
+    full [1, H, n, n] bias, which the model tests check against the float64 model oracle; a cached
+    prefill takes it too, and the decoding steps after it match."""
+    from hf_relpos import RelPosConfig, RelPosForCausalLM
+    from hf_relpos import modeling_relpos
+
+    config = RelPosConfig(position_encoding="alibi", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=64, is_decoder=True)
+    torch.manual_seed(0)
+    model = RelPosForCausalLM(config).double()
+    ids = torch.randint(0, 64, (2, 40))
+    calls = []
+    real = modeling_relpos.causal_key_bias_attention
+    monkeypatch.setattr(modeling_relpos, "causal_key_bias_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        model.zero_grad()
+        out = model(input_ids=ids[:, :30], use_cache=use_cache)
+        out.logits.pow(2).mean().backward()
+        logits = [out.logits.detach()]
+        if use_cache:
+            with torch.no_grad():
+                cache = out.past_key_values
+                for t in range(30, 40):
+                    logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+        return torch.cat(logits, 1), [p.grad.clone() for p in model.parameters()]
+
+    per_key_logits, per_key_grads = run()
+    assert len(calls) == config.num_hidden_layers
+    monkeypatch.setattr(model.model.position, "_per_key", lambda ctx, device, dtype: False)
+    full_logits, full_grads = run()
+    assert len(calls) == config.num_hidden_layers
+    torch.testing.assert_close(per_key_logits, full_logits, rtol=0, atol=1e-12)
+    for a, b in zip(per_key_grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
