@@ -427,9 +427,10 @@ class _Band:
     reach in one matmul, and :func:`_diagonals` keeps each row's ``2·reach + 1`` band entries, so the
     band costs ``O(n·(block + 2·reach)·D)`` with no ``[.., q, k, D]`` tensor. Band slot ``t`` holds key
     ``j = i - reach + t`` (distance ``t - reach``), which is slot ``t + 1`` of the per-distance tables.
+    ``keys`` (bool ``[B|1, H|1, n]``, True = may attend) masks keys, as padding does.
     """
 
-    def __init__(self, n: int, reach: int, causal: bool, block: int, device):
+    def __init__(self, n: int, reach: int, causal: bool, block: int, device, keys: Optional[torch.Tensor] = None):
         self.n, self.reach, self.block = n, reach, block
         self.width = 2 * reach + 1
         t = torch.arange(self.width, device=device)
@@ -437,7 +438,9 @@ class _Band:
         valid = (j >= 0) & (j < n)
         if causal:
             valid &= t <= reach
-        self.invalid = ~valid  # [n, width]
+        if keys is not None:  # each row's band slots read the key mask through the same sliding window
+            valid = valid & F.pad(keys, (reach, reach), value=False).unfold(-1, self.width, 1)
+        self.invalid = ~valid  # [n, width] or [B|1, H|1, n, width]
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, H, n, ..] -> [B, H, n/block, block, ..]`` (zero rows past ``n``)."""
@@ -480,59 +483,76 @@ class _BandedAttention(torch.autograd.Function):
     exact; the constant logit's gradient is ``Σ_i mass_i (dO_i·O_part_i - dO_i·O_i)``, the sum of the
     softmax gradient ``dS = P ⊙ (dP - rowsum(dO ⊙ O))`` over the part, from the part's own output
     and probability mass. The band is differentiated by recomputing it.
+
+    ``keys`` (bool ``[B|1, H|1, n]`` or None) masks keys (padding): in the band through the band's
+    mask, in the far parts as a ``[B|1, H|1, 1, n]`` mask the fused kernel broadcasts over rows. A
+    row with no key left in a part has that part's log-sum-exp at ``-inf`` (the kernel reports 0);
+    a row with no key at all gives zeros.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, rel_k, rel_v, bias, reach, causal, scale, block):
+    def forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block):
         work = torch.promote_types(q.dtype, torch.float32)
         cast = lambda t: None if t is None else t.to(work)  # noqa: E731
-        band = _Band(q.shape[2], reach, causal, block, q.device)
+        band = _Band(q.shape[2], reach, causal, block, q.device, keys)
         s = band.scores(q.to(work), k.to(work), cast(rel_k), cast(bias), scale)
-        lse = torch.logsumexp(s, dim=-1)  # the diagonal is always in the band: finite
-        out = band.values(torch.exp(s - lse[..., None]), v.to(work), cast(rel_v))
+        lse = torch.logsumexp(s, dim=-1)  # -inf only for a row whose band keys are all masked
+        out = band.values(torch.exp(s - _finite(lse)[..., None]), v.to(work), cast(rel_v))
         del s
         parts = []
-        for side in _BandedAttention._sides(q, k, v, rel_k, rel_v, bias, reach, causal):
-            part_out, part_lse = _flash_cpu(*side["qkv"], 0.0, True, scale=scale)
+        for side in _BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal):
+            part_out, part_lse = _flash_cpu(*side["qkv"], 0.0, True, attn_mask=side["mask"], scale=scale)
             rows = side["rows"]
             part_out, part_lse = side["unflip"](part_out).to(work), side["unflip"](part_lse) + side["logit"]
+            if side["alive"] is not None:
+                part_lse = part_lse.masked_fill(~side["alive"], float("-inf"))
             merged = torch.logaddexp(lse[:, :, rows], part_lse)
-            out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None] + part_out * torch.exp(
-                part_lse - merged
+            weight = _finite(merged)
+            out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - weight)[..., None] + part_out * torch.exp(
+                part_lse - weight
             )[..., None]
             lse[:, :, rows] = merged
             if bias is not None and ctx.needs_input_grad[5]:
                 parts += [part_out, part_lse]
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, rel_k, rel_v, bias, out, lse, *parts)
+        ctx.save_for_backward(q, k, v, rel_k, rel_v, bias, keys, out, _finite(lse), *parts)
         ctx.reach, ctx.causal, ctx.scale, ctx.block = reach, causal, scale, block
         return out
 
     @staticmethod
-    def _sides(q, k, v, rel_k, rel_v, bias, reach, causal):
+    def _sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal):
         """The far-left part (and far-right unless causal) as causal-kernel inputs: rows ``i > reach`` of
         the (reversed, for the right) sequence attend keys ``j < i - reach``, i.e. the top-left causal
-        pattern of the query rows shifted by ``reach + 1``; ``logit`` is the part's ``[H, 1]`` constant."""
+        pattern of the query rows shifted by ``reach + 1``; ``logit`` is the part's ``[H, 1]`` constant,
+        ``mask`` its additive key mask and ``alive`` its rows that have a key left (None: all)."""
         n, first = q.shape[2], reach + 1
         shift = lambda x, table, idx: x if table is None else x + table[idx].to(x.dtype)  # noqa: E731
         logit = lambda idx: 0.0 if bias is None else bias[:, idx, None].to(torch.promote_types(q.dtype, torch.float32))  # noqa: E731
         same = lambda t: t  # noqa: E731
+        flip = lambda t: t.flip(2)  # noqa: E731
+        mask = left_alive = right_alive = None
+        if keys is not None:
+            mask = torch.zeros(keys.shape, dtype=q.dtype, device=q.device).masked_fill_(~keys, float("-inf"))
+            mask = mask.unsqueeze(-2)
+            seen = keys.cumsum(-1)  # keys allowed in [0, j]; row i of the left part sees [0, i - first]
+            left_alive = seen[..., : n - first] > 0
+            right_alive = (seen[..., -1:] - seen + keys)[..., first:] > 0  # allowed in [i + first, n)
         sides = [
             dict(qkv=(q[:, :, first:], shift(k, rel_k, 0), shift(v, rel_v, 0)), rows=slice(first, n), unflip=same,
-                 index=0, logit=logit(0))
+                 index=0, logit=logit(0), mask=mask, alive=left_alive)
         ]
         if not causal:
-            flip = lambda t: t.flip(2)  # noqa: E731
             sides.append(
                 dict(qkv=(flip(q)[:, :, first:], flip(shift(k, rel_k, -1)), flip(shift(v, rel_v, -1))),
-                     rows=slice(0, n - first), unflip=flip, index=-1, logit=logit(-1))
+                     rows=slice(0, n - first), unflip=flip, index=-1, logit=logit(-1),
+                     mask=None if mask is None else mask.flip(-1), alive=right_alive)
             )
         return sides
 
     @staticmethod
     @once_differentiable  # the fused kernel's backward has no derivative of its own
     def backward(ctx, grad_out):
-        q, k, v, rel_k, rel_v, bias, out, lse, *parts = ctx.saved_tensors
+        q, k, v, rel_k, rel_v, bias, keys, out, lse, *parts = ctx.saved_tensors
         reach, causal, scale = ctx.reach, ctx.causal, ctx.scale
         work = torch.promote_types(q.dtype, torch.float32)
         grad_out = grad_out.contiguous()
@@ -543,19 +563,19 @@ class _BandedAttention(torch.autograd.Function):
         # has d/ds = P ⊙ (dO·v' - delta), the softmax gradient.
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k, rel_v, bias)]
-            band = _Band(q.shape[2], reach, causal, ctx.block, q.device)
+            band = _Band(q.shape[2], reach, causal, ctx.block, q.device, keys)
             probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], leaves[5], scale) - lse[..., None])
             surrogate = (band.values(probs, leaves[2], leaves[4]) * g).sum() - (probs.sum(-1) * delta).sum()
             wanted = [t for t in leaves if t is not None]
             found = iter(torch.autograd.grad(surrogate, wanted))
             dq, dk, dv, drel_k, drel_v, dbias = (None if t is None else next(found) for t in leaves)
-        for number, side in enumerate(_BandedAttention._sides(q, k, v, rel_k, rel_v, bias, reach, causal)):
+        for number, side in enumerate(_BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal)):
             rows, flip, first = side["rows"], side["unflip"], reach + 1
             sq, sk, sv = side["qkv"]
             kernel_lse = (lse[:, :, rows] - side["logit"]) if bias is not None else lse[:, :, rows]
             gq, gk, gv = _flash_cpu_backward(
                 flip(grad_out)[:, :, first:], sq, sk, sv, flip(out)[:, :, first:].contiguous(),
-                flip(kernel_lse).to(lse.dtype).contiguous(), 0.0, True, scale=scale,
+                flip(kernel_lse).to(lse.dtype).contiguous(), 0.0, True, attn_mask=side["mask"], scale=scale,
             )
             gq, gk, gv = flip(gq), flip(gk), flip(gv)
             dq[:, :, rows] += gq
@@ -572,15 +592,30 @@ class _BandedAttention(torch.autograd.Function):
                 dbias[:, index] += (mass * ((g[:, :, rows] * part_out).sum(-1) - delta[:, :, rows])).sum((0, 2))
         cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
         grads = [cast(d, t) for d, t in zip((dq, dk, dv, drel_k, drel_v, dbias), (q, k, v, rel_k, rel_v, bias))]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp with the ``-inf`` of rows that have no key replaced by 0, so ``exp(s - lse)`` gives 0, not NaN."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _key_mask(attention_mask: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    """A bool mask of keys alone (``[B|1, H|1, 1, n]``, as padding makes) as ``[B|1, H|1, n]``; None otherwise."""
+    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return None
+    if attention_mask.shape[-2] != 1 or attention_mask.shape[-1] != n:
+        return None
+    return attention_mask[..., 0, :]
 
 
 def _banded_applies(q, k, v, reach, attention_mask, past_length, dropout_p, min_length) -> bool:
-    """The band decomposition runs for CPU self-attention without a mask, cache or dropout, when long enough to pay."""
+    """The band decomposition runs for CPU self-attention without cache or dropout, and without a mask
+    or with one that masks keys alone (padding), when long enough to pay."""
     n = q.shape[2]
     return (
         q.device.type == "cpu"
-        and attention_mask is None
+        and (attention_mask is None or _key_mask(attention_mask, n) is not None)
         and past_length == 0
         and dropout_p == 0.0
         and k.shape[2] == n
@@ -606,16 +641,18 @@ def saturating_bias_attention(
     v: torch.Tensor,
     bias: torch.Tensor,
     *,
+    attention_mask: Optional[torch.Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Self-attention with a per-head bias of the relative distance that is constant beyond ``s`` -> ``[B, H, n, D]``.
 
     ``bias`` is ``[H, 2s+1]``: ``B[h, i, j] = bias[h, clamp(j - i, -s, s) + s]`` (T5's bucketed bias
-    is such a bias: :func:`t5_bias_by_distance`). ``softmax(q k^T · scale + B) v``; ``is_causal`` masks
-    keys ``j > i``. On CPU, once ``n`` is long enough, the band ``|j - i| < s`` is explicit and the
+    is such a bias: :func:`t5_bias_by_distance`). ``softmax(q k^T · scale + B + mask) v``; ``is_causal``
+    masks keys ``j > i``. On CPU, once ``n`` is long enough and the mask masks keys alone (bool
+    ``[B|1, H|1, 1, n]``, as padding does) or is None, the band ``|j - i| < s`` is explicit and the
     ranges beyond it run in the fused kernel (:class:`_BandedAttention`): no ``[B|1, H, n, n]`` tensor,
-    and a causal model skips the masked half. Otherwise the bias is spread over ``[1, H, n, n]``.
+    and a causal model skips the masked half. Otherwise the bias is spread over ``[B|1, H, n, n]``.
     """
     _check_qkv(q, k, v)
     B, H, n, D = q.shape
@@ -624,15 +661,21 @@ def saturating_bias_attention(
     _check_tensor("bias", bias, 2, "[heads, 2s+1]")
     if bias.shape[0] != H or bias.shape[1] % 2 != 1 or bias.shape[1] < 3:
         raise ValueError(f"bias must have shape [heads={H}, 2s+1] with s >= 1, got {tuple(bias.shape)}")
+    _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     reach = bias.shape[1] // 2 - 1
-    if _banded_applies(q, k, v, reach, None, 0, 0.0, _BIAS_BAND_MIN_LENGTH):
+    if _banded_applies(q, k, v, reach, attention_mask, 0, 0.0, _BIAS_BAND_MIN_LENGTH):
         q, k, v = _unit_stride(q, k, v)
-        return _BandedAttention.apply(q, k, v, None, None, bias, reach, is_causal, scale, _BAND_BLOCK)
+        keys = _key_mask(attention_mask, n)
+        return _BandedAttention.apply(q, k, v, None, None, bias, keys, reach, is_causal, scale, _BAND_BLOCK)
     index = _relative_distance(n, n, 0, bias.device).clamp(-reach - 1, reach + 1) + reach + 1
     full = bias[:, index].unsqueeze(0)
-    if is_causal:
-        full = full.masked_fill(~_causal_pattern(n, n, 0, bias.device), torch.finfo(full.dtype).min)
+    mask = _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device) if is_causal else None)
+    if mask is None:
+        return attention_with_bias(q, k, v, full, scale=scale)
+    # -inf where masked (a row with no key left then gives zeros); the bias may be half precision.
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    full = full.to(torch.promote_types(full.dtype, torch.float32)) + mask  # [B|1, H, n, n]
     return attention_with_bias(q, k, v, full, scale=scale)
 
 
@@ -693,8 +736,9 @@ def shaw_attention(
 
     if not need_weights and _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p):
         q, k, v = _unit_stride(q, k, v)
+        keys = _key_mask(attention_mask, K)
         return _BandedAttention.apply(
-            q, k, v, rel_k, rel_v, None, max_relative_position - 1, is_causal, 1.0 / math.sqrt(D), _BAND_BLOCK
+            q, k, v, rel_k, rel_v, None, keys, max_relative_position - 1, is_causal, 1.0 / math.sqrt(D), _BAND_BLOCK
         )
 
     rel_index = _relative_distance(Q, K, past_length, q.device)
@@ -1021,17 +1065,25 @@ def alibi_key_bias(slopes: torch.Tensor, key_length: int) -> torch.Tensor:
 
 
 def causal_key_bias_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor, *, scale: Optional[float] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_bias: torch.Tensor,
+    *,
+    attention_mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Causal self-attention with a bias per key: ``softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j]) v`` -> ``[B, H, n, D]``.
+    """Causal self-attention with a bias per key: ``softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v`` -> ``[B, H, n, D]``.
 
-    ``key_bias`` is ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`). On CPU in float32/float64 the bias
-    rides as a ``[1, H, 1, n]`` mask in SDPA's fused kernel together with its causal flag, which skips
-    the masked half: no ``[Q, K]`` tensor. The price is rounding: the kernel adds ``key_bias`` to the
+    ``key_bias`` is ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`). On CPU in float32/float64, with no
+    mask or one that masks keys alone (bool ``[B|1, H|1, 1, n]``, as padding does), the bias rides as a
+    ``[B|1, H, 1, n]`` mask in SDPA's fused kernel together with its causal flag, which skips the
+    masked half: no ``[Q, K]`` tensor. The price is rounding: the kernel adds ``key_bias`` to the
     scores in the inputs' precision, so a row's logits carry an error of about
     ``eps · |key_bias[h, i]|`` (ALiBi: ``eps · m_h · (n-1-i)``; 5e-5 at n = 2048 with slope 1/2 in float32,
     against 1e-6 for the exact form). Elsewhere (other devices, half precision, where that error
-    would be large) the bias is applied exactly as ``key_bias[h, j] - key_bias[h, i]`` over ``[1, H, n, n]``.
+    would be large, other masks) the bias is applied exactly as ``key_bias[h, j] - key_bias[h, i]`` over
+    ``[B|1, H, n, n]``. A row with no key left gives zeros.
     """
     _check_qkv(q, k, v)
     B, H, n, D = q.shape
@@ -1040,15 +1092,23 @@ def causal_key_bias_attention(
     _check_tensor("key_bias", key_bias, 2, "[heads, k_len]")
     if tuple(key_bias.shape) != (H, n):
         raise ValueError(f"key_bias must have shape [heads, k_len] = [{H}, {n}], got {tuple(key_bias.shape)}")
+    _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    keys = _key_mask(attention_mask, n)
     fused = (
         q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
         and v.shape[-1] == D  # the fused kernel needs one head size
+        and (attention_mask is None or keys is not None)
     )
     if fused:
         q, k, v = _unit_stride(q, k, v)
-        return _flash_cpu(q, k, v, 0.0, True, attn_mask=key_bias.to(q.dtype)[None, :, None, :], scale=scale)[0]
+        mask = key_bias.to(q.dtype)[None, :, None, :]
+        if keys is not None:  # -inf (not finfo.min): the kernel then gives a row with no key zeros
+            mask = mask.masked_fill(~keys.unsqueeze(-2), float("-inf"))
+        return _flash_cpu(q, k, v, 0.0, True, attn_mask=mask, scale=scale)[0]
     work = torch.promote_types(key_bias.dtype, torch.float32)
-    exact = key_bias.to(work)[:, None, :] - key_bias.to(work)[:, :, None]
-    exact = exact.masked_fill(~_causal_pattern(n, n, 0, q.device), float("-inf")).unsqueeze(0)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=exact.to(q.dtype), scale=scale)
+    exact = (key_bias.to(work)[:, None, :] - key_bias.to(work)[:, :, None]).unsqueeze(0)
+    exact = exact + _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device))
+    alive = torch.isfinite(exact).any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=exact.to(q.dtype), scale=scale)
+    return out.masked_fill(~alive, 0.0) if not bool(alive.all()) else out

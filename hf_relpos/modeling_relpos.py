@@ -170,11 +170,21 @@ class PositionContext:
     # The model-level scheme, referenced here rather than passed to layers as a module argument: device
     # hooks (accelerate) would otherwise move its weights on every call.
     scheme: "PositionScheme"
+    # ``mask`` as bool ``[B, 1, 1, K]`` when it masks keys alone (padding of a fresh forward), else None:
+    # the fused paths (band decomposition, per-key ALiBi) take such a mask without a [Q, K] tensor.
+    key_mask: Optional[torch.Tensor] = None
 
     def to(self, device, non_blocking: bool = False) -> "PositionContext":
         """Called by accelerate's hooks when a layer sits on another device."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive))
+        return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive),
+                       key_mask=move(self.key_mask))
+
+    @property
+    def keys_only(self) -> bool:
+        """Nothing is masked beyond causality but keys (padding): self-attention of a fresh forward."""
+        fresh = self.past_length == 0 and self.key_length == self.query_length
+        return fresh and (self.mask is None or self.key_mask is not None)
 
     def causal_mask(self, device) -> torch.Tensor:
         """[1, 1, Q, K] bool: key j is at or before the query's position."""
@@ -315,14 +325,12 @@ class T5BiasScheme(AdditiveBiasScheme):
         return table(torch.arange(table.num_embeddings, device=device))
 
     def _banded(self, ctx: PositionContext, device) -> bool:
-        """Self-attention with nothing masked beyond causality, on CPU's fused kernel (which picks the band
-        decomposition once the sequence is long enough to pay)."""
+        """Self-attention with nothing masked beyond causality and padding, on CPU's fused kernel (which
+        picks the band decomposition once the sequence is long enough to pay)."""
         return (
             ctx.attn_implementation == "sdpa"
             and device.type == "cpu"
-            and ctx.mask is None
-            and ctx.past_length == 0
-            and ctx.key_length == ctx.query_length
+            and ctx.keys_only
             and not (self.training and self.attention_dropout > 0.0)
         )
 
@@ -336,7 +344,9 @@ class T5BiasScheme(AdditiveBiasScheme):
 
     def attend(self, attn, query, key, value, bias, ctx):
         if bias.dim() == 2:  # the per-distance form of forward()
-            out = saturating_bias_attention(query, key, value, bias, is_causal=ctx.causal, scale=attn.scaling)
+            out = saturating_bias_attention(
+                query, key, value, bias, attention_mask=ctx.key_mask, is_causal=ctx.causal, scale=attn.scaling
+            )
             return out.transpose(1, 2), None
         return super().attend(attn, query, key, value, bias, ctx)
 
@@ -370,15 +380,14 @@ class AlibiScheme(AdditiveBiasScheme):
         return alibi_bias(slopes, ctx.query_length, ctx.key_length, past_length=ctx.past_length)
 
     def _per_key(self, ctx: PositionContext, device, dtype) -> bool:
-        """Causal self-attention with nothing else masked, on CPU's fused kernel in full precision."""
+        """Causal self-attention with nothing else masked but padding, on CPU's fused kernel in full precision."""
         return (
             ctx.causal
             and ctx.attn_implementation == "sdpa"
             and device.type == "cpu"
             and dtype in (torch.float32, torch.float64)
-            and ctx.mask is None
-            and ctx.past_length == 0
-            and ctx.key_length == ctx.query_length > 1
+            and ctx.keys_only
+            and ctx.query_length > 1
             and not (self.training and self.attention_dropout > 0.0)
         )
 
@@ -392,7 +401,8 @@ class AlibiScheme(AdditiveBiasScheme):
 
     def attend(self, attn, query, key, value, bias, ctx):
         if bias.dim() == 2:  # the per-key form of forward()
-            return causal_key_bias_attention(query, key, value, bias, scale=attn.scaling).transpose(1, 2), None
+            out = causal_key_bias_attention(query, key, value, bias, attention_mask=ctx.key_mask, scale=attn.scaling)
+            return out.transpose(1, 2), None
         return super().attend(attn, query, key, value, bias, ctx)
 
 
@@ -495,7 +505,7 @@ class ShawScheme(PositionScheme):
             rel_k,
             rel_v,
             max_relative_position=self.max_relative_position,
-            attention_mask=ctx.mask,
+            attention_mask=ctx.key_mask if ctx.key_mask is not None else ctx.mask,
             is_causal=ctx.causal,
             past_length=ctx.past_length,
             dropout_p=attn.attention_dropout if attn.training else 0.0,
@@ -991,6 +1001,10 @@ class RelPosModel(RelPosPreTrainedModel):
             scheme=self.position,
         )
         ctx.alive = ctx.live_rows(device)
+        if mask is not None and documents is None and attention_mask is not None:
+            fresh = attention_mask.dim() == 2 and attention_mask.shape[1] == length == kv_length
+            if fresh and not mem_length and q_offset == 0 and config.sliding_window is None:
+                ctx.key_mask = attention_mask.bool()[:, None, None, :]
 
         hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
         term = self.position(ctx, device, hidden_states.dtype)

@@ -1,12 +1,12 @@
 """Speed and memory of every hf_relpos scheme against upstream T5 and against plain attention (rope).
 
-Forward and forward+backward (bidirectional, as T5's encoder) at several lengths, contenders
-interleaved A B A B in one process, medians after warm-up; peak memory per contender in a process
-of its own; cached decoding tokens/s. Writes a Markdown table with the command, date, torch version
-and machine.
+Forward and forward+backward, bidirectional (as T5's encoder) and causal (the decoder use, with a
+cached prefill besides), at several lengths, contenders interleaved A B A B in one process, medians
+after warm-up; peak memory per contender in a process of its own; cached decoding tokens/s. Writes
+a Markdown table with the command, date, torch version and machine.
 
-    python scripts/bench.py                       # the full run (about 15-20 minutes on 2 CPU cores)
-    python scripts/bench.py --quick               # about 3 minutes: n=512, fewer repeats
+    python scripts/bench.py                       # the full run (about 25-30 minutes on 2 CPU cores)
+    python scripts/bench.py --quick               # about 4 minutes: n=512, fewer repeats
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ UPSTREAM = "upstream_t5"
 SIZE = dict(hidden_size=512, num_attention_heads=8, num_hidden_layers=2, intermediate_size=2048)
 
 
-def build(name: str, causal: bool = False):
-    """A contender: an hf_relpos body (or upstream T5EncoderModel) of the benchmark size."""
+def build(name: str, causal: bool = False, head: bool = False):
+    """A contender: an hf_relpos body, causal or not (with the LM head: ``head``), or upstream T5EncoderModel."""
     torch.manual_seed(0)
     if name == UPSTREAM:
         from transformers import T5Config, T5EncoderModel
@@ -45,29 +45,30 @@ def build(name: str, causal: bool = False):
     config = RelPosConfig(
         position_encoding=name, vocab_size=1024, max_position_embeddings=8192, is_decoder=causal, **SIZE
     )
-    return (RelPosForCausalLM(config) if causal else RelPosModel(config)).train()
+    return (RelPosForCausalLM(config) if head else RelPosModel(config)).train()
 
 
-def step(model, ids, backward: bool) -> None:
-    if backward:
+def step(model, ids, mode: str) -> None:
+    """One forward+backward ("fwd+bwd"), inference forward ("fwd") or forward that fills a cache ("prefill")."""
+    if mode == "fwd+bwd":
         out = model(input_ids=ids).last_hidden_state
         out.float().pow(2).mean().backward()
         model.zero_grad(set_to_none=True)
     else:
         with torch.no_grad():
-            model(input_ids=ids)
+            model(input_ids=ids, use_cache=mode == "prefill")
 
 
-def time_interleaved(names, n, batch, repeats, backward) -> dict:
-    models = {name: build(name) for name in names}
+def time_interleaved(names, n, batch, repeats, mode, causal=False) -> dict:
+    models = {name: build(name, causal) for name in names}
     ids = torch.randint(0, 1024, (batch, n))
     for model in models.values():  # warm-up
-        step(model, ids, backward)
+        step(model, ids, mode)
     times = {name: [] for name in names}
     for _ in range(repeats):
         for name, model in models.items():
             start = time.perf_counter()
-            step(model, ids, backward)
+            step(model, ids, mode)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -86,7 +87,7 @@ def peak_memory_child(name: str, n: int, batch: int) -> None:
     model = build(name)
     ids = torch.randint(0, 1024, (batch, n))
     base = _high_water_mib()
-    step(model, ids, backward=True)
+    step(model, ids, "fwd+bwd")
     peak = _high_water_mib()
     print(json.dumps({"peak_mib": peak, "delta_mib": peak - base}))
 
@@ -102,7 +103,7 @@ def peak_memory(name: str, n: int, batch: int) -> dict:
 @torch.no_grad()
 def decode_tokens_per_second(names, context: int, new_tokens: int, repeats: int) -> dict:
     """Greedy cached decoding after a prefill of ``context`` tokens, contenders interleaved."""
-    models = {name: build(name, causal=True).eval() for name in names}
+    models = {name: build(name, causal=True, head=True).eval() for name in names}
     ids = torch.randint(0, 1024, (1, context))
     rates = {name: [] for name in names}
     for repeat in range(repeats + 1):  # the first round is a warm-up
@@ -134,6 +135,7 @@ def write_report(lines: list, output: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--causal-lengths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--schemes", nargs="+", default=SCHEMES, choices=SCHEMES)
     parser.add_argument("--batch", type=int, default=2)
@@ -150,16 +152,20 @@ def main() -> None:
         name, n, batch = args.child_memory
         return peak_memory_child(name, int(n), int(batch))
     if args.quick:
-        args.lengths, args.contexts, args.repeats = [512], [256, 1024], 3
+        args.lengths, args.causal_lengths, args.contexts, args.repeats = [512], [512], [256, 1024], 3
 
     from tqdm.auto import tqdm
 
     schemes = ["rope"] + [s for s in args.schemes if s != "rope"]
     contenders = schemes + ([UPSTREAM] if "t5_bias" in schemes else [])
     rows = {}
-    jobs = [(n, backward) for n in args.lengths for backward in (False, True)]
-    for n, backward in tqdm(jobs, desc="fwd / fwd+bwd"):
-        rows[(n, backward)] = time_interleaved(contenders, n, args.batch, args.repeats, backward)
+    jobs = [(n, mode) for n in args.lengths for mode in ("fwd", "fwd+bwd")]
+    for n, mode in tqdm(jobs, desc="bidirectional"):
+        rows[(n, mode)] = time_interleaved(contenders, n, args.batch, args.repeats, mode)
+    causal_rows = {}
+    jobs = [(n, mode) for n in args.causal_lengths for mode in ("fwd", "fwd+bwd", "prefill")]
+    for n, mode in tqdm(jobs, desc="causal"):
+        causal_rows[(n, mode)] = time_interleaved(schemes, n, args.batch, args.repeats, mode, causal=True)
     memory = {}
     if not args.no_memory:
         for n in tqdm(args.lengths, desc="peak memory"):
@@ -174,7 +180,7 @@ def main() -> None:
         "# CPU benchmark",
         "",
         f"Command: `python scripts/bench.py {' '.join(sys.argv[1:])}`  ",
-        f"{machine_line(args.threads)}; batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048, fp32, bidirectional (as T5's encoder); "
+        f"{machine_line(args.threads)}; batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048, fp32; "
         f"medians of {args.repeats} interleaved runs after a warm-up.",
         "",
         "Times are ratios: **vs rope** = this scheme's time / rope's (plain fused SDPA, the floor); "
@@ -183,9 +189,9 @@ def main() -> None:
         "",
     ]
     for n in args.lengths:
-        lines += [f"## n = {n}", "", "| scheme | fwd vs rope | fwd+bwd vs rope | fwd vs upstream T5 | fwd+bwd vs upstream T5 | peak MiB (fwd+bwd) | of which the step |",
+        lines += [f"## Bidirectional (as T5's encoder), n = {n}", "", "| scheme | fwd vs rope | fwd+bwd vs rope | fwd vs upstream T5 | fwd+bwd vs upstream T5 | peak MiB (fwd+bwd) | of which the step |",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        fwd, bwd = rows[(n, False)], rows[(n, True)]
+        fwd, bwd = rows[(n, "fwd")], rows[(n, "fwd+bwd")]
         for name in contenders:
             versus_t5 = name == "t5_bias" and UPSTREAM in fwd
             mem = memory.get((name, n))
@@ -199,6 +205,15 @@ def main() -> None:
                 f"{mem['delta_mib']:.0f}" if mem else "–",
             ]
             lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    for n in args.causal_lengths:
+        lines += [f"## Causal, n = {n}", "",
+                  "The decoder use (`is_decoder=True`): time as a ratio to causal rope's; *prefill* is an inference "
+                  "forward that fills a `DynamicCache`.", "",
+                  "| scheme | fwd vs rope | fwd+bwd vs rope | prefill with cache vs rope |", "| --- | ---: | ---: | ---: |"]
+        got = [causal_rows[(n, mode)] for mode in ("fwd", "fwd+bwd", "prefill")]
+        for name in schemes:
+            lines.append(f"| {name} | " + " | ".join(f"{t[name] / t['rope']:.2f}" for t in got) + " |")
         lines.append("")
     lines += ["## Cached decoding", "",
               f"Tokens/s generating {args.new_tokens} tokens (batch 1, greedy, causal model) after a context, as a ratio "

@@ -27,17 +27,21 @@ def upstream_bucket(distance, bidirectional, num_buckets, max_distance):
     )
 
 
-def t5_attention_oracle(q, k, v, weight, *, bidirectional, max_distance, causal):
-    """softmax(q k^T / sqrt(D) + weight[bucket(j - i)]) v in float64, keys j > i masked when causal."""
+def t5_attention_oracle(q, k, v, weight, *, bidirectional, max_distance, causal, keys=None):
+    """softmax(q k^T / sqrt(D) + weight[bucket(j - i)]) v in float64, keys j > i masked when causal and
+    where the bool ``keys`` mask is False; a row with no key left gives zeros."""
     n, D = q.shape[2], q.shape[3]
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
     buckets = upstream_bucket(j - i, bidirectional, weight.shape[0], max_distance)
     bias = weight.double()[buckets].permute(2, 0, 1)  # [H, n, n]
     scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D) + bias
-    if causal:
-        scores = scores.masked_fill(j > i, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v.double()
+    allowed = torch.ones(n, n, dtype=torch.bool) if not causal else (j <= i)
+    if keys is not None:
+        allowed = allowed & keys
+    alive = allowed.any(-1, keepdim=True)
+    scores = scores.masked_fill(~allowed, float("-inf")).masked_fill(~alive, 0.0)  # no NaN in the gradients
+    return torch.where(alive, torch.softmax(scores, dim=-1), 0.0) @ v.double()
 
 
 def inputs(seed, B, H, n, D, num_buckets, dtype=torch.float64, requires_grad=True):
@@ -192,3 +196,69 @@ def test_model_takes_the_band_and_matches_the_full_bias(band, monkeypatch, is_de
     torch.testing.assert_close(banded_out, full_out, rtol=1e-5, atol=1e-5)
     for a, b in zip(banded_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,causal", [(40, False), (40, True), (150, False), (150, True)])
+def test_padding_keeps_the_band_and_matches_float64_oracle(band, n, causal):
+    """A key mask (padding), including a row of all-masked keys (zeros, finite gradients)."""
+    from test_shaw_banded import padding_mask
+
+    q, k, v, weight = inputs(n, 4, 2, n, 5, 16)
+    mask = padding_mask(4, n, torch.Generator().manual_seed(n))
+    table = F.t5_bias_by_distance(weight, bidirectional=not causal, max_distance=30)
+    got = F.saturating_bias_attention(q, k, v, table, attention_mask=mask, is_causal=causal)
+    assert len(band) == 1
+    want = t5_attention_oracle(q, k, v, weight, bidirectional=not causal, max_distance=30, causal=causal, keys=mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    assert not got[2].any()
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    leaves = (q, k, v, weight)
+    for name, a, b in zip("q k v weight".split(), torch.autograd.grad(got, leaves, grad_out),
+                          torch.autograd.grad(want, leaves, grad_out)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("position_encoding,is_decoder", [("t5_bias", False), ("t5_bias", True), ("shaw", False),
+                                                          ("shaw", True), ("alibi", True)])
+def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, is_decoder):
+    """A padded batch (right and left padding) takes the band / per-key path: the same outputs and
+    gradients as the same padding given as a [B, 1, Q, K] mask, which takes the general path."""
+    from hf_relpos import RelPosConfig, RelPosModel
+    from hf_relpos import modeling_relpos
+
+    monkeypatch.setattr(F, "_SHAW_BAND_MIN_LENGTH", 1)
+    config = RelPosConfig(position_encoding=position_encoding, vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=64, is_decoder=is_decoder,
+                          relative_attention_num_buckets=16, relative_attention_max_distance=40,
+                          max_relative_position=6)
+    torch.manual_seed(0)
+    model = RelPosModel(config).double()
+    for name, p in model.named_parameters():  # relative tables away from their zero init
+        if "relative" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    n = 120
+    ids = torch.randint(0, 64, (3, n))
+    keep = torch.ones(3, n, dtype=torch.long)
+    keep[0, n - 17:] = 0  # right padding
+    keep[1, :23] = 0  # left padding
+    fast = {"t5_bias": "saturating_bias_attention", "shaw": "shaw_attention", "alibi": "causal_key_bias_attention"}
+    fast_calls = []
+    real = getattr(modeling_relpos, fast[position_encoding])
+    monkeypatch.setattr(modeling_relpos, fast[position_encoding],
+                        lambda *a, **k: fast_calls.append(k.get("attention_mask")) or real(*a, **k))
+
+    def run(mask):
+        model.zero_grad()
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out * keep[..., None]).pow(2).mean().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    fast_out, fast_grads = run(keep)
+    assert len(fast_calls) == 2 and all(m is not None and m.shape == (3, 1, 1, n) for m in fast_calls)
+    banded = 0 if position_encoding == "alibi" else 2
+    assert len(band) == banded
+    general_out, general_grads = run(keep.bool()[:, None, None, :].expand(3, 1, n, n))
+    assert len(band) == banded  # the general path does not take the band
+    torch.testing.assert_close(fast_out, general_out, rtol=0, atol=1e-10)
+    for a, b in zip(fast_grads, general_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)

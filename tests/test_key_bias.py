@@ -16,7 +16,8 @@ from oracles import alibi_slopes_ref
 from test_shaw_banded import _LargestTensor
 
 
-def alibi_causal_oracle(q, k, v, slopes):
+def alibi_causal_oracle(q, k, v, slopes, keys=None):
+    """Keys ``j > i`` and (per batch row) those where ``keys`` [B, 1, n] is False are masked; no key left: zeros."""
     n, D = q.shape[2], q.shape[3]
     bias = torch.zeros(len(slopes), n, n, dtype=torch.float64)
     for h, m in enumerate(slopes):
@@ -24,7 +25,11 @@ def alibi_causal_oracle(q, k, v, slopes):
             for j in range(n):
                 bias[h, i, j] = -m * (i - j) if j <= i else float("-inf")
     scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(D) + bias
-    return torch.softmax(scores, dim=-1) @ v.double()
+    if keys is not None:
+        scores = scores.masked_fill(~keys[:, :, None, :], float("-inf"))
+    alive = torch.isfinite(scores).any(-1, keepdim=True)
+    scores = scores.masked_fill(~alive, 0.0)  # no key left: zeros below, and no NaN in the gradients
+    return torch.where(alive, torch.softmax(scores, dim=-1), 0.0) @ v.double()
 
 
 def inputs(seed, B, H, n, D, dtype=torch.float64, requires_grad=True):
@@ -123,3 +128,26 @@ def test_model_takes_the_per_key_form_and_matches_the_full_bias(monkeypatch, use
     torch.testing.assert_close(per_key_logits, full_logits, rtol=0, atol=1e-12)
     for a, b in zip(per_key_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_padding_matches_float64_oracle(dtype):
+    """A key mask (padding; left padding leaves the first rows no key: zeros) in the fused form (float64)
+    and the exact form (bfloat16)."""
+    from test_shaw_banded import padding_mask
+
+    H, n = 4, 40
+    q, k, v = inputs(11, 4, H, n, 8, dtype=dtype, requires_grad=dtype == torch.float64)
+    mask = padding_mask(4, n, torch.Generator().manual_seed(3))
+    got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(F.alibi_slopes(H, dtype=dtype), n),
+                                      attention_mask=mask)
+    allowed = mask[:, :, 0, :]  # [B, 1, n]
+    want = alibi_causal_oracle(q, k, v, alibi_slopes_ref(H), keys=allowed)
+    assert not got[2].any() and not got[1, :, :7].any()
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), grad_out), torch.autograd.grad(want, (q, k, v), grad_out)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    else:
+        assert ((got.double() - want).norm() / want.norm()) < 1e-2
