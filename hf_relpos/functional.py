@@ -492,6 +492,11 @@ class _BandedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block):
+        with torch.autocast(q.device.type, enabled=False):  # the band in float32 whatever autocast asks
+            return _BandedAttention._forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block):
         work = torch.promote_types(q.dtype, torch.float32)
         cast = lambda t: None if t is None else t.to(work)  # noqa: E731
         band = _Band(q.shape[2], reach, causal, block, q.device, keys)
@@ -552,6 +557,11 @@ class _BandedAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the fused kernel's backward has no derivative of its own
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _BandedAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, rel_k, rel_v, bias, keys, out, lse, *parts = ctx.saved_tensors
         reach, causal, scale = ctx.reach, ctx.causal, ctx.scale
         work = torch.promote_types(q.dtype, torch.float32)
@@ -664,7 +674,8 @@ def saturating_bias_attention(
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     reach = bias.shape[1] // 2 - 1
-    if _banded_applies(q, k, v, reach, attention_mask, 0, 0.0, _BIAS_BAND_MIN_LENGTH):
+    min_length = _CAUSAL_BIAS_BAND_MIN_LENGTH if is_causal else _BIAS_BAND_MIN_LENGTH
+    if _banded_applies(q, k, v, reach, attention_mask, 0, 0.0, min_length):
         q, k, v = _unit_stride(q, k, v)
         keys = _key_mask(attention_mask, n)
         return _BandedAttention.apply(q, k, v, None, None, bias, keys, reach, is_causal, scale, _BAND_BLOCK)
@@ -679,8 +690,10 @@ def saturating_bias_attention(
     return attention_with_bias(q, k, v, full, scale=scale)
 
 
-# Below this the bias spread over [1, H, n, n] in the fused kernel is as fast on CPU (scripts/bench_band.py --scheme t5_bias).
-_BIAS_BAND_MIN_LENGTH = 512
+# Below these the bias spread over [1, H, n, n] in the fused kernel is as fast on CPU (T5's 32 buckets up to 128:
+# band |d| < 91), bidirectional and causal: scripts/bench_band.py --scheme t5_bias [--causal] measures the crossover.
+_BIAS_BAND_MIN_LENGTH = 1536
+_CAUSAL_BIAS_BAND_MIN_LENGTH = 1024
 
 
 def shaw_attention(
@@ -1099,6 +1112,8 @@ def causal_key_bias_attention(
         q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
         and v.shape[-1] == D  # the fused kernel needs one head size
         and (attention_mask is None or keys is not None)
+        # the kernel gives no gradient for its mask: a trained key bias takes the exact form
+        and not (key_bias.requires_grad and torch.is_grad_enabled())
     )
     if fused:
         q, k, v = _unit_stride(q, k, v)

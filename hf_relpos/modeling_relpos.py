@@ -496,6 +496,14 @@ class ShawScheme(PositionScheme):
     def forward(self, ctx, device, dtype):
         return None
 
+    @staticmethod
+    def _mask(ctx: PositionContext, device) -> Optional[torch.Tensor]:
+        """Padding alone as a key mask (the band keeps it); bidirectional attention also masks a static
+        cache's unfilled slots, which causality hides otherwise."""
+        if ctx.key_mask is not None:
+            return ctx.key_mask
+        return ctx.mask if ctx.causal else ctx.full_mask(device)
+
     def attend(self, attn, query, key, value, term, ctx):
         rel_k, rel_v = attn.relative()
         out = shaw_attention(
@@ -505,7 +513,7 @@ class ShawScheme(PositionScheme):
             rel_k,
             rel_v,
             max_relative_position=self.max_relative_position,
-            attention_mask=ctx.key_mask if ctx.key_mask is not None else ctx.mask,
+            attention_mask=self._mask(ctx, query.device),
             is_causal=ctx.causal,
             past_length=ctx.past_length,
             dropout_p=attn.attention_dropout if attn.training else 0.0,

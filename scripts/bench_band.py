@@ -1,7 +1,8 @@
 """The band decomposition alone (``functional._BandedAttention``) against the form it replaces, by length.
 
 ``shaw_attention`` (Shaw's clipped embeddings) and ``saturating_bias_attention`` (T5's bucketed bias)
-switch to the band decomposition at ``_SHAW_BAND_MIN_LENGTH`` / ``_BIAS_BAND_MIN_LENGTH``; this
+switch to the band decomposition at ``_SHAW_BAND_MIN_LENGTH`` / ``_BIAS_BAND_MIN_LENGTH`` (causal:
+``_CAUSAL_BIAS_BAND_MIN_LENGTH``); this
 script measures where that pays. Per length, three contenders run interleaved in one process
 (forward, then forward+backward), medians after a warm-up, as ratios to plain SDPA
 (``F.scaled_dot_product_attention`` without any position term, causal when the scheme is):
@@ -31,17 +32,18 @@ from bench import machine_line, write_report  # noqa: E402
 
 from hf_relpos import functional  # noqa: E402
 
-THRESHOLD = {"shaw": "_SHAW_BAND_MIN_LENGTH", "t5_bias": "_BIAS_BAND_MIN_LENGTH"}
+THRESHOLD = {"shaw": ["_SHAW_BAND_MIN_LENGTH"], "t5_bias": ["_BIAS_BAND_MIN_LENGTH", "_CAUSAL_BIAS_BAND_MIN_LENGTH"]}
 
 
 def with_threshold(scheme: str, value: int, fn):
-    name = THRESHOLD[scheme]
-    saved = getattr(functional, name)
-    setattr(functional, name, value)
+    saved = {name: getattr(functional, name) for name in THRESHOLD[scheme]}
+    for name in saved:
+        setattr(functional, name, value)
     try:
         return fn()
     finally:
-        setattr(functional, name, saved)
+        for name, old in saved.items():
+            setattr(functional, name, old)
 
 
 def contenders(scheme, q, k, v, table, clip, causal):
@@ -120,7 +122,7 @@ def main() -> None:
         f"Command: `python scripts/bench_band.py {' '.join(sys.argv[1:])}`  ",
         f"{machine_line(args.threads)}; batch {args.batch}, {args.heads} heads, head dim {args.head_dim}, "
         f"{what}, {'causal' if args.causal else 'bidirectional'}, fp32; medians of {args.repeats} interleaved runs "
-        f"after a warm-up. The band is taken from n >= {getattr(functional, THRESHOLD[args.scheme])}.",
+        f"after a warm-up. The band is taken from n >= {getattr(functional, THRESHOLD[args.scheme][-1 if args.causal else 0])}.",
         "",
         "Time as a ratio to plain SDPA (no position term) at the same length; lower is faster.",
         "",

@@ -54,6 +54,7 @@ def inputs(seed, B, H, n, D, num_buckets, dtype=torch.float64, requires_grad=Tru
 def band(monkeypatch):
     """Band from any length, and a record of the calls that took it."""
     monkeypatch.setattr(F, "_BIAS_BAND_MIN_LENGTH", 1)
+    monkeypatch.setattr(F, "_CAUSAL_BIAS_BAND_MIN_LENGTH", 1)
     calls = []
     real = F._BandedAttention.apply
     monkeypatch.setattr(F._BandedAttention, "apply", lambda *a: calls.append(a[6]) or real(*a))
@@ -121,6 +122,7 @@ def test_band_matches_the_spread_bias_it_replaces(band, monkeypatch, causal):
     grad_out = torch.randn_like(banded)
     banded_grads = torch.autograd.grad(banded, leaves, grad_out)
     monkeypatch.setattr(F, "_BIAS_BAND_MIN_LENGTH", 10**9)
+    monkeypatch.setattr(F, "_CAUSAL_BIAS_BAND_MIN_LENGTH", 10**9)
     spread = run()
     spread_grads = torch.autograd.grad(spread, leaves, grad_out)
     assert len(band) == 1
@@ -148,8 +150,8 @@ def test_bfloat16_close_to_float64(band):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_never_forms_a_query_by_key_tensor(causal):
-    """At the real threshold (512): forward and backward stay O(B·H·n·(block + 2s)), no [B, H, n, n] tensor."""
-    B, H, n = 1, 2, 1024
+    """At the real thresholds: forward and backward stay O(B·H·n·(block + 2s)), no [B, H, n, n] tensor."""
+    B, H, n = 1, 2, 1536
     q, k, v, weight = inputs(2, B, H, n, 8, 8, dtype=torch.float32)
     table = F.t5_bias_by_distance(weight, bidirectional=not causal, max_distance=20)
     with _LargestTensor() as seen:

@@ -151,3 +151,19 @@ def test_padding_matches_float64_oracle(dtype):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
     else:
         assert ((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_trained_key_bias_gets_its_gradient():
+    """A key bias that requires grad (learned slopes) takes the exact form: its gradient matches the oracle's."""
+    H, n = 2, 30
+    q, k, v = inputs(13, 1, H, n, 8)
+    slopes = torch.tensor([0.5, 0.125], dtype=torch.float64, requires_grad=True)
+    got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(slopes, n))
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8) - slopes[:, None, None] * (i - j)
+    want = torch.softmax(scores.masked_fill(j > i, float("-inf")), -1) @ v
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, slopes), g), torch.autograd.grad(want, (q, slopes), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)

@@ -706,6 +706,19 @@ def test_static_cache_chunks_match_full_forward(position_encoding, impl):
             start += size
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("position_encoding", STATIC_OK)
+def test_bidirectional_static_cache_hides_unfilled_slots(position_encoding, impl):
+    """A bidirectional model filling part of a StaticCache sees only the filled slots (Shaw used to attend
+    the empty ones: causality hides them only in a decoder)."""
+    model = build(position_encoding, cls=RelPosModel, impl=impl, is_decoder=False)
+    ids = rand_ids(2, 11, seed=9)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).last_hidden_state
+        cached = model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=32), use_cache=True)
+    assert_close(cached.last_hidden_state, full, what="bidirectional forward into a StaticCache")
+
+
 def test_transformer_xl_rejects_static_cache():
     model = build("transformer_xl")
     ids = rand_ids(1, 4)

@@ -264,3 +264,18 @@ def test_banded_with_padding_matches_loop_oracle(banded_from_any_length, n, kk, 
                           torch.autograd.grad(want, leaves, grad_out)):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_banded_under_cpu_autocast(banded_from_any_length):
+    """Under CPU bf16 autocast (Trainer's bf16=True on CPU) the band runs in float32 and the backward
+    works (it used to hand the fused kernel's backward a bf16 log-sum-exp); gradients near float32's."""
+    n, kk = 100, 4
+    q, k, v, rk, rv = inputs(31, 1, 2, n, 16, kk, True, dtype=torch.float32, requires_grad=True)
+    leaves = (q, k, v, rk, rv)
+    grad_out = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(3))
+    want = torch.autograd.grad(F.shaw_attention(*leaves, max_relative_position=kk), leaves, grad_out)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.shaw_attention(*leaves, max_relative_position=kk)
+    got = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    for name, a, b in zip("q k v rel_k rel_v".split(), got, want):
+        assert ((a.double() - b.double()).norm() / b.double().norm()) < 3e-2, name
