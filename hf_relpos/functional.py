@@ -1077,6 +1077,82 @@ def alibi_key_bias(slopes: torch.Tensor, key_length: int) -> torch.Tensor:
     return (slopes.to(compute)[:, None] * (j - (key_length - 1)) + 0.0).to(slopes.dtype)
 
 
+class _CausalKeyBiasAttention(torch.autograd.Function):
+    """Causal attention with a per-key bias in the fused CPU kernel, ``chunk`` query rows at a time.
+
+    Rows ``a .. b-1`` meet the keys before ``a`` (all visible) and their own square block (causal) in
+    two kernel calls merged by log-sum-exp. Each chunk measures the bias from its last row,
+    ``key_bias[j] - key_bias[b-1]`` (formed in the key bias's own precision, float64 from the model),
+    so the values the kernel adds stay within ``|key_bias[b-1-chunk] - key_bias[b-1]|`` for the keys that
+    matter, whatever the length: the kernel's rounding of the logits stays ``eps`` times that. The
+    backward runs the kernel's backward for each part with the merged output and log-sum-exp.
+    ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with no key left gives zeros.
+    """
+
+    @staticmethod
+    def _parts(q, k, v, key_bias, keys, start, stop):
+        """The chunk's (keys slice, causal, additive mask, alive rows or None) for the prefix and its own block."""
+        rel = (key_bias[:, :stop] - key_bias[:, stop - 1 : stop]).to(q.dtype)[None, :, None, :]  # [1, H, 1, stop]
+        if keys is not None:  # -inf (not finfo.min): the kernel then gives a row with no key zeros
+            rel = rel.masked_fill(~keys[..., None, :stop], float("-inf"))
+            seen = keys[..., :stop].cumsum(-1)
+        parts = [(slice(start, stop), True, rel[..., start:stop],
+                  None if keys is None else (seen[..., start:stop] - seen[..., start - 1 : start] if start else
+                                             seen[..., start:stop]) > 0)]
+        if start:
+            alive = None if keys is None else (seen[..., start - 1 : start] > 0).expand(*seen.shape[:-1], stop - start)
+            parts.append((slice(0, start), False, rel[..., :start], alive))
+        return parts
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_bias, keys, scale, chunk):
+        work = torch.promote_types(q.dtype, torch.float32)
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work)
+        for start in range(0, q.shape[2], chunk):
+            stop = min(start + chunk, q.shape[2])
+            acc = acc_lse = None
+            for cols, causal, mask, alive in _CausalKeyBiasAttention._parts(q, k, v, key_bias, keys, start, stop):
+                part, part_lse = _flash_cpu(q[:, :, start:stop], k[:, :, cols], v[:, :, cols], 0.0, causal,
+                                            attn_mask=mask, scale=scale)
+                part, part_lse = part.to(work), part_lse.to(work)
+                if alive is not None:
+                    part_lse = part_lse.masked_fill(~alive, float("-inf"))
+                if acc is None:
+                    acc, acc_lse = part, part_lse
+                    continue
+                merged = torch.logaddexp(acc_lse, part_lse)
+                weight = _finite(merged)
+                acc = acc * torch.exp(acc_lse - weight)[..., None] + part * torch.exp(part_lse - weight)[..., None]
+                acc_lse = merged
+            out[:, :, start:stop], lse[:, :, start:stop] = acc, _finite(acc_lse)
+        ctx.save_for_backward(q, k, v, key_bias, keys, out, lse)
+        ctx.scale, ctx.chunk = scale, chunk
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, key_bias, keys, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for start in range(0, q.shape[2], ctx.chunk):
+            stop = min(start + ctx.chunk, q.shape[2])
+            rows = slice(start, stop)
+            for cols, causal, mask, _ in _CausalKeyBiasAttention._parts(q, k, v, key_bias, keys, start, stop):
+                gq, gk, gv = _flash_cpu_backward(
+                    grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows].contiguous(),
+                    lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=mask, scale=ctx.scale,
+                )
+                dq[:, :, rows] += gq
+                dk[:, :, cols] += gk
+                dv[:, :, cols] += gv
+        return dq, dk, dv, None, None, None, None
+
+
+# Query rows per call of the per-key kernel: the bias the kernel adds stays within m·2048 (ALiBi, slope m).
+_KEY_BIAS_CHUNK = 2048
+
+
 def causal_key_bias_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1088,14 +1164,16 @@ def causal_key_bias_attention(
 ) -> torch.Tensor:
     """Causal self-attention with a bias per key: ``softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v`` -> ``[B, H, n, D]``.
 
-    ``key_bias`` is ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`). On CPU in float32/float64, with no
-    mask or one that masks keys alone (bool ``[B|1, H|1, 1, n]``, as padding does), the bias rides as a
-    ``[B|1, H, 1, n]`` mask in SDPA's fused kernel together with its causal flag, which skips the
-    masked half: no ``[Q, K]`` tensor. The price is rounding: the kernel adds ``key_bias`` to the
-    scores in the inputs' precision, so a row's logits carry an error of about
-    ``eps · |key_bias[h, i]|`` (ALiBi: ``eps · m_h · (n-1-i)``; 5e-5 at n = 2048 with slope 1/2 in float32,
-    against 1e-6 for the exact form). Elsewhere (other devices, half precision, where that error
-    would be large, other masks) the bias is applied exactly as ``key_bias[h, j] - key_bias[h, i]`` over
+    ``key_bias`` is ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`; give it in float64 so that its
+    differences stay exact). On CPU in float32/float64, with no mask or one that masks keys alone
+    (bool ``[B|1, H|1, 1, n]``, as padding does), the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
+    fused kernel together with its causal flag, which skips the masked half: no ``[Q, K]`` tensor
+    (:class:`_CausalKeyBiasAttention`). The kernel adds the bias to the scores in the inputs'
+    precision: measured from the last row of each chunk of ``_KEY_BIAS_CHUNK`` rows, the values it
+    adds for the keys that matter stay below ALiBi's ``m_h · 2048``, so the logits carry at most about
+    ``eps · m_h · 2048`` (6e-5 in float32 for slope 1/2, against 1e-6 for the exact form). Elsewhere
+    (other devices, half precision, where that error would be large, other masks, a key bias that
+    needs a gradient) the bias is applied exactly as ``key_bias[h, j] - key_bias[h, i]`` over
     ``[B|1, H, n, n]``. A row with no key left gives zeros.
     """
     _check_qkv(q, k, v)
@@ -1117,10 +1195,7 @@ def causal_key_bias_attention(
     )
     if fused:
         q, k, v = _unit_stride(q, k, v)
-        mask = key_bias.to(q.dtype)[None, :, None, :]
-        if keys is not None:  # -inf (not finfo.min): the kernel then gives a row with no key zeros
-            mask = mask.masked_fill(~keys.unsqueeze(-2), float("-inf"))
-        return _flash_cpu(q, k, v, 0.0, True, attn_mask=mask, scale=scale)[0]
+        return _CausalKeyBiasAttention.apply(q, k, v, key_bias, keys, scale, _KEY_BIAS_CHUNK)
     work = torch.promote_types(key_bias.dtype, torch.float32)
     exact = (key_bias.to(work)[:, None, :] - key_bias.to(work)[:, :, None]).unsqueeze(0)
     exact = exact + _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device))

@@ -395,8 +395,9 @@ class AlibiScheme(AdditiveBiasScheme):
         if self._per_key(ctx, device, dtype):
             # Causal ALiBi is a bias per key [H, K] (softmax ignores the row constant): it rides in the fused
             # causal kernel (causal_key_bias_attention), with no [1, H, Q, K] bias.
-            slopes = alibi_slopes(self.num_heads, device=device, dtype=torch.float32)
-            return alibi_key_bias(slopes, ctx.key_length).to(dtype)
+            # float64, so that the kernel's per-chunk differences of it are exact
+            slopes = alibi_slopes(self.num_heads, device=device, dtype=torch.float64)
+            return alibi_key_bias(slopes, ctx.key_length)
         return super().forward(ctx, device, dtype)
 
     def attend(self, attn, query, key, value, bias, ctx):

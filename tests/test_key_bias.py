@@ -52,19 +52,6 @@ def test_values_and_gradients_match_float64_oracle(H, n):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=lambda m: f"grad of {name}: {m}")
 
 
-def test_float32_rounding_within_its_stated_bound():
-    """float32 at n = 1024: the logits of the first rows carry about eps · m · n, and the output error
-    stays within a small multiple of that bound."""
-    H, n = 8, 1024
-    q, k, v = inputs(5, 1, H, n, 16, dtype=torch.float32, requires_grad=False)
-    slopes = F.alibi_slopes(H)
-    want = alibi_causal_oracle(q[:, :, :96], k[:, :, :96], v[:, :, :96], alibi_slopes_ref(H))  # first rows: worst
-    got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(slopes, n))[:, :, :96]
-    bound = torch.finfo(torch.float32).eps * float(slopes.max()) * n
-    err = (got.double() - want).abs().max().item()
-    assert err < 4 * bound, (err, bound)
-
-
 def test_half_precision_takes_the_exact_form():
     """bfloat16 would round ``m (j - (n-1))`` to steps of up to 8 at n = 2048: the exact relative form runs instead."""
     H, n = 4, 300
@@ -167,3 +154,42 @@ def test_trained_key_bias_gets_its_gradient():
     g = torch.randn_like(got)
     for a, b in zip(torch.autograd.grad(got, (q, slopes), g), torch.autograd.grad(want, (q, slopes), g)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("causal_rows_padded", [False, True])
+def test_chunks_match_float64_oracle(monkeypatch, causal_rows_padded):
+    """Query rows in chunks of 16 (prefix + own block per chunk, merged by log-sum-exp), with and without
+    padding: values and gradients against the loop oracle."""
+    from test_shaw_banded import padding_mask
+
+    monkeypatch.setattr(F, "_KEY_BIAS_CHUNK", 16)
+    H, n = 4, 70
+    q, k, v = inputs(17, 4, H, n, 8)
+    mask = padding_mask(4, n, torch.Generator().manual_seed(5)) if causal_rows_padded else None
+    got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(F.alibi_slopes(H, dtype=torch.float64), n),
+                                      attention_mask=mask)
+    want = alibi_causal_oracle(q, k, v, alibi_slopes_ref(H), keys=None if mask is None else mask[:, :, 0, :])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad_out), torch.autograd.grad(want, (q, k, v), grad_out)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+def test_chunks_bound_the_rounding_at_any_length(monkeypatch):
+    """float32: one chunk of n = 1024 rows rounds the first rows' logits at about eps · m · n; chunks of 128
+    keep every row within eps · m · 128, as the docstring states."""
+    H, n = 8, 1024
+    q, k, v = inputs(19, 1, H, n, 16, dtype=torch.float32, requires_grad=False)
+    slopes = F.alibi_slopes(H, dtype=torch.float64)
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    scores = q.double() @ k.double().transpose(-1, -2) / 4 - slopes[:, None, None] * (i - j)
+    want = torch.softmax(scores.masked_fill(j > i, float("-inf")), -1) @ v.double()
+    errors = {}
+    for chunk in (1024, 128):
+        monkeypatch.setattr(F, "_KEY_BIAS_CHUNK", chunk)
+        got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(slopes, n))
+        errors[chunk] = (got.double() - want).abs().max().item()
+    eps = torch.finfo(torch.float32).eps
+    assert errors[128] < 4 * eps * 0.5 * 128, errors
+    assert 4 * errors[128] < errors[1024], errors  # the chunks, not luck, bound it
