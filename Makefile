@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench bench-thp bench-shaw-band upstream-tests
+.PHONY: run test setup clean demo-biases bench bench-thp bench-band upstream-tests
 
 setup: $(STAMP)
 
@@ -32,9 +32,12 @@ bench: $(STAMP)
 bench-thp: $(STAMP)
 	$(PY) scripts/bench_thp.py
 
-# Shaw attention alone: where the band decomposition beats the gathered form (results/bench-shaw-band.md).
-bench-shaw-band: $(STAMP)
-	$(PY) scripts/bench_shaw_band.py
+# The band decomposition alone: where it beats the form it replaces, for Shaw and for the T5 bias
+# (bidirectional and causal); writes results/bench-band-shaw.md, -t5_bias.md, -t5_bias-causal.md.
+bench-band: $(STAMP)
+	$(PY) scripts/bench_band.py --scheme shaw
+	$(PY) scripts/bench_band.py --scheme t5_bias
+	$(PY) scripts/bench_band.py --scheme t5_bias --causal
 
 # What each scheme adds to attention, printed for a small example.
 demo-biases: $(STAMP)

@@ -7,6 +7,8 @@ a Markdown table with the command, date, torch version and machine.
 
     python scripts/bench.py                       # the full run (about 25-30 minutes on 2 CPU cores)
     python scripts/bench.py --quick               # about 4 minutes: n=512, fewer repeats
+    python scripts/bench.py --padded --lengths 2048 --causal-lengths 2048 --no-decode \
+        --output results/bench-cpu-padded.md      # a padded batch (about 6 minutes)
 """
 
 from __future__ import annotations
@@ -48,27 +50,35 @@ def build(name: str, causal: bool = False, head: bool = False):
     return (RelPosForCausalLM(config) if head else RelPosModel(config)).train()
 
 
-def step(model, ids, mode: str) -> None:
+def step(model, ids, mode: str, mask=None) -> None:
     """One forward+backward ("fwd+bwd"), inference forward ("fwd") or forward that fills a cache ("prefill")."""
     if mode == "fwd+bwd":
-        out = model(input_ids=ids).last_hidden_state
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
         out.float().pow(2).mean().backward()
         model.zero_grad(set_to_none=True)
     else:
         with torch.no_grad():
-            model(input_ids=ids, use_cache=mode == "prefill")
+            model(input_ids=ids, attention_mask=mask, use_cache=mode == "prefill")
 
 
-def time_interleaved(names, n, batch, repeats, mode, causal=False) -> dict:
+def padding(batch: int, n: int):
+    """A padded batch: the last row's final quarter is padding (the others are full)."""
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[-1, n - n // 4:] = 0
+    return mask
+
+
+def time_interleaved(names, n, batch, repeats, mode, causal=False, padded=False) -> dict:
     models = {name: build(name, causal) for name in names}
     ids = torch.randint(0, 1024, (batch, n))
+    mask = padding(batch, n) if padded else None
     for model in models.values():  # warm-up
-        step(model, ids, mode)
+        step(model, ids, mode, mask)
     times = {name: [] for name in names}
     for _ in range(repeats):
         for name, model in models.items():
             start = time.perf_counter()
-            step(model, ids, mode)
+            step(model, ids, mode, mask)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -145,6 +155,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="n=512, contexts 256/1024, 3 repeats")
     parser.add_argument("--output", default="results/bench-cpu.md")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory runs")
+    parser.add_argument("--no-decode", action="store_true", help="skip the cached decoding runs")
+    parser.add_argument("--padded", action="store_true",
+                        help="time a padded batch (the last row's final quarter is padding); implies --no-memory")
     parser.add_argument("--child-memory", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -161,18 +174,19 @@ def main() -> None:
     rows = {}
     jobs = [(n, mode) for n in args.lengths for mode in ("fwd", "fwd+bwd")]
     for n, mode in tqdm(jobs, desc="bidirectional"):
-        rows[(n, mode)] = time_interleaved(contenders, n, args.batch, args.repeats, mode)
+        rows[(n, mode)] = time_interleaved(contenders, n, args.batch, args.repeats, mode, padded=args.padded)
     causal_rows = {}
     jobs = [(n, mode) for n in args.causal_lengths for mode in ("fwd", "fwd+bwd", "prefill")]
     for n, mode in tqdm(jobs, desc="causal"):
-        causal_rows[(n, mode)] = time_interleaved(schemes, n, args.batch, args.repeats, mode, causal=True)
+        causal_rows[(n, mode)] = time_interleaved(schemes, n, args.batch, args.repeats, mode, causal=True,
+                                                  padded=args.padded)
     memory = {}
-    if not args.no_memory:
+    if not (args.no_memory or args.padded):
         for n in tqdm(args.lengths, desc="peak memory"):
             for name in contenders:
                 memory[(name, n)] = peak_memory(name, n, args.batch)
     decode = {}
-    for context in tqdm(args.contexts, desc="decoding"):
+    for context in tqdm([] if args.no_decode else args.contexts, desc="decoding"):
         for name, rate in decode_tokens_per_second(schemes, context, args.new_tokens, args.repeats).items():
             decode[(name, context)] = rate
 
@@ -181,7 +195,8 @@ def main() -> None:
         "",
         f"Command: `python scripts/bench.py {' '.join(sys.argv[1:])}`  ",
         f"{machine_line(args.threads)}; batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048, fp32; "
-        f"medians of {args.repeats} interleaved runs after a warm-up.",
+        f"medians of {args.repeats} interleaved runs after a warm-up."
+        + (" **Padded batch**: the last row's final quarter is padding (attention_mask)." if args.padded else ""),
         "",
         "Times are ratios: **vs rope** = this scheme's time / rope's (plain fused SDPA, the floor); "
         "**vs upstream** = t5_bias's time / `transformers.T5EncoderModel`'s (same size and buckets). "
@@ -215,14 +230,15 @@ def main() -> None:
         for name in schemes:
             lines.append(f"| {name} | " + " | ".join(f"{t[name] / t['rope']:.2f}" for t in got) + " |")
         lines.append("")
-    lines += ["## Cached decoding", "",
-              f"Tokens/s generating {args.new_tokens} tokens (batch 1, greedy, causal model) after a context, as a ratio "
-              "to rope's tokens/s (higher is faster).", "",
-              "| scheme | " + " | ".join(f"context {c}" for c in args.contexts) + " |",
-              "| --- | " + " | ".join("---:" for _ in args.contexts) + " |"]
-    for name in schemes:
-        lines.append(f"| {name} | " + " | ".join(
-            f"{decode[(name, c)] / decode[('rope', c)]:.2f}" for c in args.contexts) + " |")
+    if decode:
+        lines += ["## Cached decoding", "",
+                  f"Tokens/s generating {args.new_tokens} tokens (batch 1, greedy, causal model) after a context, as a "
+                  "ratio to rope's tokens/s (higher is faster).", "",
+                  "| scheme | " + " | ".join(f"context {c}" for c in args.contexts) + " |",
+                  "| --- | " + " | ".join("---:" for _ in args.contexts) + " |"]
+        for name in schemes:
+            lines.append(f"| {name} | " + " | ".join(
+                f"{decode[(name, c)] / decode[('rope', c)]:.2f}" for c in args.contexts) + " |")
     write_report(lines, args.output)
 
 
