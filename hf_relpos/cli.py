@@ -26,7 +26,11 @@ from typing import Optional
 from hf_relpos_cli import PRESETS, Interrupted, UserError, main  # noqa: F401  (main: `python -m hf_relpos.cli`)
 
 RUN_FILE = "hf_relpos_run.json"  # what train did, read back by eval and by the model card
-TIME_FILE = "hf_relpos_time.json"  # in each checkpoint: training seconds so far, so a resumed run counts all of it
+# In each checkpoint: training seconds so far (a resumed run counts all of it) and the options that shape the
+# model and its data (a resume with other ones would not continue this run).
+TIME_FILE = "hf_relpos_time.json"
+RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len", "train_file", "seed", "batch_size",
+               "learning_rate")
 CARDS_DIR = Path(__file__).resolve().parent / "model_cards"  # package data (pyproject.toml)
 # What `save_pretrained` and the tokenizer write into a model folder, and what train adds.
 MODEL_FILE = re.compile(
@@ -198,7 +202,7 @@ class _Bookkeeping:
     """Ctrl-C stops training at the end of the current step with a checkpoint; each checkpoint records the
     training seconds so far, so that a resumed run reports its whole training time."""
 
-    def __new__(cls, previous_seconds: float):
+    def __new__(cls, previous_seconds: float, options: dict):
         from transformers import TrainerCallback
 
         class Bookkeeping(TrainerCallback):
@@ -218,9 +222,34 @@ class _Bookkeeping:
             def on_save(self, args, state, control, **kwargs):
                 folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 if state.is_world_process_zero and folder.is_dir():
-                    (folder / TIME_FILE).write_text(json.dumps({"train_seconds": round(self.seconds(), 1)}))
+                    record = {"train_seconds": round(self.seconds(), 1), "options": options}
+                    (folder / TIME_FILE).write_text(json.dumps(record))
 
         return Bookkeeping()
+
+
+def _run_options(args) -> dict:
+    options = {name: getattr(args, name, None) for name in RUN_OPTIONS}
+    if options["train_file"]:  # the files themselves, wherever the command runs from
+        options["train_file"] = [str(Path(f).resolve()) for f in options["train_file"]]
+    return options
+
+
+def _check_resume_options(resume_from: Path, options: dict) -> None:
+    """A resume continues the same run: the options that shape the model and data must be the checkpoint's."""
+    record = resume_from / TIME_FILE
+    saved = json.loads(record.read_text()).get("options") if record.is_file() else None
+    if not saved:
+        return  # a checkpoint from before options were recorded
+    changed = [name for name in RUN_OPTIONS if name in saved and saved[name] != options[name]]
+    if changed:
+        flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+        was = ", ".join(f"{flag(name)} {saved[name]!r}" for name in changed)
+        now = ", ".join(f"{flag(name)} {options[name]!r}" for name in changed)
+        raise UserError(
+            f"--resume: {resume_from} was trained with {was}, this command gives {now}; resume with the original "
+            "options (or train afresh with --overwrite)"
+        )
 
 
 def _resume_command(argv: list) -> str:
@@ -264,6 +293,8 @@ def _train(args, out: Path, resume_from: Optional[Path]) -> dict:
     from .memory import MemoryTrainer, OrderedSegments, segment_perplexity
     from .modeling_relpos import RelPosForCausalLM
 
+    if resume_from is not None:
+        _check_resume_options(resume_from, _run_options(args))
     set_seed(args.seed)
     corpus, corpus_name = load_corpus(args.train_file)
     tokenizer = train_tokenizer([corpus["train"]], vocab_size=args.vocab_size)
@@ -275,6 +306,13 @@ def _train(args, out: Path, resume_from: Optional[Path]) -> dict:
             f"{streams[shortest].numel()} tokens; use a shorter --seq-len or more text"
         )
     config = build_config(args.position_encoding, args.preset, args.seq_len, len(tokenizer), args.mem_len)
+    if resume_from is not None and (resume_from / "config.json").is_file():
+        saved_vocab = json.loads((resume_from / "config.json").read_text()).get("vocab_size")
+        if saved_vocab is not None and saved_vocab != config.vocab_size:  # the same options, other text on disk
+            raise UserError(
+                f"--resume: {resume_from} holds a model of {saved_vocab} tokens, but this command's data gives a "
+                f"vocabulary of {config.vocab_size}: the training text changed since; resume with the original text"
+            )
     model = RelPosForCausalLM(config)
 
     with_memory = config.position_encoding == "transformer_xl" and config.mem_len > 0
@@ -321,7 +359,7 @@ def _train(args, out: Path, resume_from: Optional[Path]) -> dict:
     previous = 0.0
     if resume_from is not None and (resume_from / TIME_FILE).is_file():
         previous = json.loads((resume_from / TIME_FILE).read_text())["train_seconds"]
-    book = _Bookkeeping(previous)
+    book = _Bookkeeping(previous, _run_options(args))
     trainer.add_callback(book)
 
     def on_interrupt(signum, frame):

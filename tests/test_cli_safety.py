@@ -233,6 +233,25 @@ def test_gitignore_lists_no_tracked_file():
 # ---------------------------------------------------------------------------
 
 
+def test_resume_with_other_options_is_a_user_error(tmp_path, capsys):
+    """--resume continues the same run: other data options (here, no --train-file: the embedded corpus and
+    another vocabulary) are refused in one line naming them, not a state-dict traceback; the folder stays."""
+    text = tmp_path / "mine.txt"
+    text.write_text(" ".join(f"word{i % 97} text{i % 13}" for i in range(3000)))
+    out = tmp_path / "model"
+    assert run(["train", "--output-dir", str(out), *TINY, "--train-file", str(text), "--quiet"], capsys)[0] == 0
+    checkpoints = sorted(p.name for p in (tmp_path / "model-checkpoints").iterdir())
+    code, _, err = run(["train", "--output-dir", str(out), *TINY, "--resume"], capsys)
+    err = one_line_error(code, err, "train")
+    assert "--train-file" in err and "resume with the original options" in err, err
+    assert sorted(p.name for p in (tmp_path / "model-checkpoints").iterdir()) == checkpoints
+    assert (out / "model.safetensors").is_file()
+    # the same options resume (from the last checkpoint: nothing left to train, the model is rewritten)
+    code, _, err = run(["train", "--output-dir", str(out), *TINY, "--train-file", str(text), "--resume", "--quiet"],
+                       capsys)
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("scheme", ["t5_bias", "transformer_xl"])
 def test_ctrl_c_saves_and_resume_reaches_the_same_loss(scheme, tmp_path, monkeypatch, capsys):
     settings = ["--position-encoding", scheme, "--steps", "6", "--seq-len", "16", "--batch-size", "2",
