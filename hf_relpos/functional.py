@@ -409,19 +409,13 @@ def _undiagonals(band: torch.Tensor) -> torch.Tensor:
     return flat.view(*band.shape[:-2], c, c + width - 1)
 
 
-def _key_windows(x: torch.Tensor, block: int, reach: int) -> torch.Tensor:
-    """``[B, H, n, D] -> [B, H, n/block, D, block + 2·reach]``: the keys rows ``b·block - reach ..``
-    of block ``b`` can reach (zero rows outside the sequence), as a view of one padded copy."""
-    n_pad = -x.shape[2] % block
-    padded = F.pad(x, (0, 0, reach, reach + n_pad))
-    return padded.unfold(2, block + 2 * reach, block)
-
-
 _BAND_BLOCK = 64  # query rows per block of the band
+_BAND_ROWS = 512  # query rows per pass over the band (a multiple of the block): bounds its temporaries
 
 
 class _Band:
-    """Scores and values inside the band ``|j - i| <= reach`` (self-attention, ``past_length = 0``).
+    """Scores and values inside the band ``|j - i| <= reach`` for the query rows ``rows`` (self-attention,
+    ``past_length = 0``).
 
     Query rows go in blocks of ``block``; each block meets the ``block + 2·reach`` keys its rows can
     reach in one matmul, and :func:`_diagonals` keeps each row's ``2·reach + 1`` band entries, so the
@@ -430,41 +424,61 @@ class _Band:
     ``keys`` (bool ``[B|1, H|1, n]``, True = may attend) masks keys, as padding does.
     """
 
-    def __init__(self, n: int, reach: int, causal: bool, block: int, device, keys: Optional[torch.Tensor] = None):
+    def __init__(self, n: int, reach: int, causal: bool, block: int, device, keys: Optional[torch.Tensor] = None,
+                 rows: Optional[tuple] = None):
         self.n, self.reach, self.block = n, reach, block
+        self.start, self.stop = rows if rows is not None else (0, n)
         self.width = 2 * reach + 1
         t = torch.arange(self.width, device=device)
-        j = torch.arange(n, device=device)[:, None] - reach + t
+        j = torch.arange(self.start, self.stop, device=device)[:, None] - reach + t
         valid = (j >= 0) & (j < n)
         if causal:
             valid &= t <= reach
         if keys is not None:  # each row's band slots read the key mask through the same sliding window
-            valid = valid & F.pad(keys, (reach, reach), value=False).unfold(-1, self.width, 1)
-        self.invalid = ~valid  # [n, width] or [B|1, H|1, n, width]
+            window = F.pad(keys, (reach, reach), value=False).unfold(-1, self.width, 1)
+            valid = valid & window[..., self.start : self.stop, :]
+        self.invalid = ~valid  # [rows, width] or [B|1, H|1, rows, width]
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, H, n, ..] -> [B, H, n/block, block, ..]`` (zero rows past ``n``)."""
-        x = F.pad(x, (0, 0, 0, -self.n % self.block))
+        """``[B, H, n, ..] -> [B, H, rows/block, block, ..]``, the band's rows (zero rows past them)."""
+        x = x[:, :, self.start : self.stop]
+        x = F.pad(x, (0, 0, 0, -x.shape[2] % self.block))
         return x.view(*x.shape[:2], -1, self.block, x.shape[-1])
 
+    def _key_windows(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, n, D] -> [B, H, rows/block, D, block + 2·reach]``: the keys ``b·block - reach ..`` each
+        block of the band's rows can reach (zero rows outside the sequence), a view of one padded copy."""
+        first = self.start - self.reach  # the key row the first block's window starts at
+        last = self.start + -(-(self.stop - self.start) // self.block) * self.block + self.reach  # one past the end
+        x = x[:, :, max(first, 0) : min(last, self.n)]
+        padded = F.pad(x, (0, 0, max(0, -first), max(0, last - self.n)))
+        return padded.unfold(2, self.block + 2 * self.reach, self.block)
+
     def scores(self, q, k, rel_k, bias, scale):
-        """``[B, H, n, 2·reach+1]``: ``(q_i·k_j + q_i·rel_k[d]) · scale + bias[h, d]``, ``-inf`` outside the sequence."""
-        full = self._blocks(q) @ _key_windows(k, self.block, self.reach)
-        band = _diagonals(full, self.width).flatten(2, 3)[:, :, : self.n]
+        """``[B, H, rows, 2·reach+1]``: ``(q_i·k_j + q_i·rel_k[d]) · scale + bias[h, d]``, ``-inf`` outside the sequence."""
+        rows = self.stop - self.start
+        full = self._blocks(q) @ self._key_windows(k)
+        band = _diagonals(full, self.width).flatten(2, 3)[:, :, :rows]
         if rel_k is not None:
-            band = band + q @ rel_k[1:-1].transpose(0, 1)
+            band = band + q[:, :, self.start : self.stop] @ rel_k[1:-1].transpose(0, 1)
         band = band * scale
         if bias is not None:
             band = band + bias[:, None, 1:-1]
         return band.masked_fill(self.invalid, float("-inf"))
 
     def values(self, probs, v, rel_v):
-        """``Σ_t probs[.., i, t] · (v_j + rel_v[d])`` -> ``[B, H, n, D]``."""
-        full = _undiagonals(self._blocks(probs))
-        out = (full @ _key_windows(v, self.block, self.reach).transpose(-1, -2)).flatten(2, 3)[:, :, : self.n]
+        """``Σ_t probs[.., i, t] · (v_j + rel_v[d])`` for the band's rows (``probs`` holds only them) -> ``[B, H, rows, D]``."""
+        rows = self.stop - self.start
+        padded = F.pad(probs, (0, 0, 0, -rows % self.block))
+        full = _undiagonals(padded.view(*padded.shape[:2], -1, self.block, padded.shape[-1]))
+        out = (full @ self._key_windows(v).transpose(-1, -2)).flatten(2, 3)[:, :, :rows]
         if rel_v is not None:
             out = out + probs @ rel_v[1:-1]
         return out
+
+
+def _row_chunks(n: int):
+    return [(start, min(start + _BAND_ROWS, n)) for start in range(0, n, _BAND_ROWS)]
 
 
 class _BandedAttention(torch.autograd.Function):
@@ -499,11 +513,16 @@ class _BandedAttention(torch.autograd.Function):
     def _forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block):
         work = torch.promote_types(q.dtype, torch.float32)
         cast = lambda t: None if t is None else t.to(work)  # noqa: E731
-        band = _Band(q.shape[2], reach, causal, block, q.device, keys)
-        s = band.scores(q.to(work), k.to(work), cast(rel_k), cast(bias), scale)
-        lse = torch.logsumexp(s, dim=-1)  # -inf only for a row whose band keys are all masked
-        out = band.values(torch.exp(s - _finite(lse)[..., None]), v.to(work), cast(rel_v))
-        del s
+        n = q.shape[2]
+        qw, kw, vw, rel_kw, rel_vw, biasw = q.to(work), k.to(work), v.to(work), cast(rel_k), cast(rel_v), cast(bias)
+        out, lse = q.new_empty(*q.shape[:3], v.shape[-1], dtype=work), q.new_empty(q.shape[:3], dtype=work)
+        for start, stop in _row_chunks(n):
+            band = _Band(n, reach, causal, block, q.device, keys, (start, stop))
+            s = band.scores(qw, kw, rel_kw, biasw, scale)
+            rows_lse = torch.logsumexp(s, dim=-1)  # -inf only for a row whose band keys are all masked
+            out[:, :, start:stop] = band.values(torch.exp(s - _finite(rows_lse)[..., None]), vw, rel_vw)
+            lse[:, :, start:stop] = rows_lse
+            del s
         parts = []
         for side in _BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal):
             part_out, part_lse = _flash_cpu(*side["qkv"], 0.0, True, attn_mask=side["mask"], scale=scale)
@@ -571,14 +590,22 @@ class _BandedAttention(torch.autograd.Function):
         # The band, differentiated by recomputing it against the merged log-sum-exp: with
         # P = exp(s - lse) and delta_i = dO_i·O_i, the surrogate Σ dO·(P V') - Σ_i delta_i Σ_t P_it
         # has d/ds = P ⊙ (dO·v' - delta), the softmax gradient.
-        with torch.enable_grad():
-            leaves = [None if t is None else t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k, rel_v, bias)]
-            band = _Band(q.shape[2], reach, causal, ctx.block, q.device, keys)
-            probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], leaves[5], scale) - lse[..., None])
-            surrogate = (band.values(probs, leaves[2], leaves[4]) * g).sum() - (probs.sum(-1) * delta).sum()
-            wanted = [t for t in leaves if t is not None]
-            found = iter(torch.autograd.grad(surrogate, wanted))
-            dq, dk, dv, drel_k, drel_v, dbias = (None if t is None else next(found) for t in leaves)
+        n = q.shape[2]
+        leaves = [None if t is None else t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k, rel_v, bias)]
+        wanted = [t for t in leaves if t is not None]
+        sums = None
+        for start, stop in _row_chunks(n):  # a pass at a time keeps the recomputed band's graph small
+            rows = slice(start, stop)
+            with torch.enable_grad():
+                band = _Band(n, reach, causal, ctx.block, q.device, keys, (start, stop))
+                probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], leaves[5], scale) - lse[:, :, rows, None])
+                surrogate = (band.values(probs, leaves[2], leaves[4]) * g[:, :, rows]).sum()
+                surrogate = surrogate - (probs.sum(-1) * delta[:, :, rows]).sum()
+                grads = torch.autograd.grad(surrogate, wanted, allow_unused=True)
+            grads = [torch.zeros_like(t) if d is None else d for d, t in zip(grads, wanted)]
+            sums = grads if sums is None else [a.add_(b) for a, b in zip(sums, grads)]
+        found = iter(sums)
+        dq, dk, dv, drel_k, drel_v, dbias = (None if t is None else next(found) for t in leaves)
         for number, side in enumerate(_BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal)):
             rows, flip, first = side["rows"], side["unflip"], reach + 1
             sq, sk, sv = side["qkv"]

@@ -55,6 +55,7 @@ def band(monkeypatch):
     """Band from any length, and a record of the calls that took it."""
     monkeypatch.setattr(F, "_BIAS_BAND_MIN_LENGTH", 1)
     monkeypatch.setattr(F, "_CAUSAL_BIAS_BAND_MIN_LENGTH", 1)
+    monkeypatch.setattr(F, "_BAND_ROWS", 64)  # passes of one block each: several per test sequence
     calls = []
     real = F._BandedAttention.apply
     monkeypatch.setattr(F._BandedAttention, "apply", lambda *a: calls.append(a[6]) or real(*a))
@@ -264,3 +265,19 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     torch.testing.assert_close(fast_out, general_out, rtol=0, atol=1e-10)
     for a, b in zip(fast_grads, general_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_passes_over_the_band_do_not_change_the_result(band, monkeypatch):
+    """The band is computed a pass of _BAND_ROWS query rows at a time (forward and backward): one pass,
+    passes of two blocks and passes of one block give the same values and gradients."""
+    q, k, v, weight = inputs(23, 2, 3, 300, 8, 16)
+    mask = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+    mask[1, ..., 250:] = False
+    results = []
+    for rows in (10**6, 128, 64):
+        monkeypatch.setattr(F, "_BAND_ROWS", rows)
+        out = F.saturating_bias_attention(q, k, v, F.t5_bias_by_distance(weight, max_distance=40), attention_mask=mask)
+        results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, weight))))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
