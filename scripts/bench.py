@@ -5,7 +5,7 @@ cached prefill besides), at several lengths, contenders interleaved A B A B in o
 after warm-up; peak memory per contender in a process of its own; cached decoding tokens/s. Writes
 a Markdown table with the command, date, torch version and machine.
 
-    python scripts/bench.py                       # the full run (about 25-30 minutes on 2 CPU cores)
+    python scripts/bench.py                       # the full run (about 20 minutes on 2 CPU cores)
     python scripts/bench.py --quick               # about 4 minutes: n=512, fewer repeats
     python scripts/bench.py --padded --lengths 2048 --causal-lengths 2048 --no-decode \
         --output results/bench-cpu-padded.md      # a padded batch (about 6 minutes)

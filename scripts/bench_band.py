@@ -11,7 +11,7 @@ script measures where that pays. Per length, three contenders run interleaved in
 - t5_bias: the band against the bias spread over ``[1, H, n, n]`` in the fused kernel
   (``attention_with_bias``, what the model ran before).
 
-    python scripts/bench_band.py --scheme shaw             # k = 16; 1-2 minutes on 2 CPU cores
+    python scripts/bench_band.py --scheme shaw             # k = 16; each run about a minute on 2 CPU cores
     python scripts/bench_band.py --scheme t5_bias           # 32 buckets, max distance 128 (band |d| < 91)
     python scripts/bench_band.py --scheme t5_bias --causal  # the decoder's bias (band d > -113)
 """
