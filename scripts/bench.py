@@ -6,7 +6,7 @@ after warm-up; peak memory per contender in a process of its own; cached decodin
 a Markdown table with the command, date, torch version and machine.
 
     python scripts/bench.py                       # the full run (about 20 minutes on 2 CPU cores)
-    python scripts/bench.py --quick               # about 4 minutes: n=512, fewer repeats
+    python scripts/bench.py --quick               # about 3 minutes: n=512, fewer repeats
     python scripts/bench.py --padded --lengths 2048 --causal-lengths 2048 --no-decode \
         --output results/bench-cpu-padded.md      # a padded batch (about 6 minutes)
 """
