@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_relpos import functional as F
-from test_shaw_banded import _LargestTensor
+from test_shaw_banded import _LargestTensor, outputs_and_grads
 
 
 def upstream_bucket(distance, bidirectional, num_buckets, max_distance):
@@ -185,16 +185,10 @@ def test_model_takes_the_band_and_matches_the_full_bias(band, monkeypatch, is_de
     torch.nn.init.normal_(model.position.relative_attention_bias.weight, std=1.0)
     ids = torch.randint(0, 64, (2, 150))
 
-    def run():
-        model.zero_grad()
-        out = model(input_ids=ids).last_hidden_state
-        out.pow(2).mean().backward()
-        return out.detach(), [p.grad.clone() for p in model.parameters()]
-
-    banded_out, banded_grads = run()
+    banded_out, banded_grads = outputs_and_grads(model, ids)
     assert len(band) == config.num_hidden_layers
     monkeypatch.setattr(model.position, "_banded", lambda ctx, device: False)
-    full_out, full_grads = run()
+    full_out, full_grads = outputs_and_grads(model, ids)
     assert len(band) == config.num_hidden_layers
     torch.testing.assert_close(banded_out, full_out, rtol=1e-5, atol=1e-5)
     for a, b in zip(banded_grads, full_grads):

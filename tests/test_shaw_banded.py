@@ -111,6 +111,14 @@ def test_banded_low_precision_close_to_float64_oracle(banded_from_any_length, dt
     assert (got.double() - want).abs().max().item() <= atol * want.abs().max().item()
 
 
+def outputs_and_grads(model, ids):
+    """A model's last hidden state and its parameters' gradients for the loss mean(h²)."""
+    model.zero_grad()
+    out = model(input_ids=ids).last_hidden_state
+    out.pow(2).mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
 class _LargestTensor(TorchDispatchMode):
     """Records the largest number of elements of any tensor an op produces."""
 
@@ -173,16 +181,10 @@ def test_model_takes_the_band_and_matches_the_gathered_form(banded_from_any_leng
     real = F._BandedAttention.apply
     monkeypatch.setattr(F._BandedAttention, "apply", lambda *a: calls.append(1) or real(*a))
 
-    def run():
-        model.zero_grad()
-        out = model(input_ids=ids).last_hidden_state
-        out.pow(2).mean().backward()
-        return out.detach(), [p.grad.clone() for p in model.parameters()]
-
-    banded_out, banded_grads = run()
+    banded_out, banded_grads = outputs_and_grads(model, ids)
     assert len(calls) == config.num_hidden_layers
     monkeypatch.setattr(F, "_SHAW_BAND_MIN_LENGTH", 10**9)
-    gathered_out, gathered_grads = run()
+    gathered_out, gathered_grads = outputs_and_grads(model, ids)
     assert len(calls) == config.num_hidden_layers
     torch.testing.assert_close(banded_out, gathered_out, rtol=1e-5, atol=1e-5)
     for a, b in zip(banded_grads, gathered_grads):
