@@ -275,18 +275,44 @@ class AdditiveBiasScheme(PositionScheme):
     (masked entries at the dtype's minimum) that every layer passes to the kernel as its mask. That
     tensor is the whole per-forward term, so that it reaches the layers as a positional tensor, which
     reentrant activation checkpointing needs to carry a trained bias's gradient back to its table.
+
+    A scheme whose bias has a compact form that a fused CPU path takes (T5's bias per clipped distance,
+    causal ALiBi's bias per key) returns that 2-D tensor from ``compact`` and attends with it in
+    ``attend_compact``; ``compact`` is asked only for unmasked (or padded) self-attention of a fresh
+    forward on CPU's sdpa path without attention dropout.
     """
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.attention_dropout = config.attention_dropout
 
     def bias(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def compact(self, ctx: PositionContext, device, dtype) -> Optional[torch.Tensor]:
+        return None
+
+    def attend_compact(self, attn, query, key, value, compact, ctx) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
-        """The bias merged with the mask: ``[B|1, H, Q, K]``."""
+        """The compact form where one applies, else the bias merged with the mask: ``[B|1, H, Q, K]``."""
+        fused_cpu = (
+            ctx.attn_implementation == "sdpa"
+            and device.type == "cpu"
+            and ctx.keys_only
+            and not (self.training and self.attention_dropout > 0.0)
+        )
+        compact = self.compact(ctx, device, dtype) if fused_cpu else None
+        if compact is not None:
+            return compact
         bias = self.bias(ctx, device, dtype).to(dtype)
         mask = ctx.full_mask(device)
         return bias if mask is None else torch.where(mask, bias, torch.finfo(dtype).min)
 
     def attend(self, attn, query, key, value, bias, ctx):
+        if bias.dim() == 2:  # the compact form of forward()
+            return self.attend_compact(attn, query, key, value, bias, ctx).transpose(1, 2), None
         dropout = attn.attention_dropout if attn.training else 0.0
         if ctx.attn_implementation == "sdpa" and bias.requires_grad and dropout == 0.0 and query.is_cpu:
             # A trained bias (T5's) would push CPU SDPA onto its slow math path: keep the fused kernel.
@@ -308,7 +334,6 @@ class T5BiasScheme(AdditiveBiasScheme):
         self.bidirectional = not config.is_decoder
         self.max_distance = config.relative_attention_max_distance
         self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
-        self.attention_dropout = config.attention_dropout
 
     def bias(self, ctx, device, dtype):
         return t5_position_bias(
@@ -324,31 +349,17 @@ class T5BiasScheme(AdditiveBiasScheme):
         table = self.relative_attention_bias
         return table(torch.arange(table.num_embeddings, device=device))
 
-    def _banded(self, ctx: PositionContext, device) -> bool:
-        """Self-attention with nothing masked beyond causality and padding, on CPU's fused kernel (which
-        picks the band decomposition once the sequence is long enough to pay)."""
-        return (
-            ctx.attn_implementation == "sdpa"
-            and device.type == "cpu"
-            and ctx.keys_only
-            and not (self.training and self.attention_dropout > 0.0)
+    def compact(self, ctx, device, dtype):
+        """The bias per clipped distance ``[H, 2s+1]``: beyond ``s`` it is constant, and those key ranges run
+        in the fused kernel (saturating_bias_attention, which takes the band once the sequence is long
+        enough to pay); no ``[1, H, Q, K]`` bias is formed."""
+        weight = self._weight(device)
+        return t5_bias_by_distance(weight, bidirectional=self.bidirectional, max_distance=self.max_distance).to(dtype)
+
+    def attend_compact(self, attn, query, key, value, compact, ctx):
+        return saturating_bias_attention(
+            query, key, value, compact, attention_mask=ctx.key_mask, is_causal=ctx.causal, scale=attn.scaling
         )
-
-    def forward(self, ctx, device, dtype):
-        if self._banded(ctx, device):
-            # The bias per clipped distance [H, 2s+1]: beyond s it is constant, and those key ranges run in
-            # the fused kernel (saturating_bias_attention); no [1, H, Q, K] bias is formed.
-            weight = self._weight(device)
-            return t5_bias_by_distance(weight, bidirectional=self.bidirectional, max_distance=self.max_distance).to(dtype)
-        return super().forward(ctx, device, dtype)
-
-    def attend(self, attn, query, key, value, bias, ctx):
-        if bias.dim() == 2:  # the per-distance form of forward()
-            out = saturating_bias_attention(
-                query, key, value, bias, attention_mask=ctx.key_mask, is_causal=ctx.causal, scale=attn.scaling
-            )
-            return out.transpose(1, 2), None
-        return super().attend(attn, query, key, value, bias, ctx)
 
 
 class LogDecayScheme(AdditiveBiasScheme):
@@ -371,40 +382,20 @@ class AlibiScheme(AdditiveBiasScheme):
 
     # Fixed tables are computed on the fly in float32 rather than kept as buffers, which `.to(bf16)`
     # would round (and `from_pretrained` would rebuild in float32: a model that changes when reloaded).
-    def __init__(self, config: RelPosConfig):
-        super().__init__(config)
-        self.attention_dropout = config.attention_dropout
-
     def bias(self, ctx, device, dtype):
         slopes = alibi_slopes(self.num_heads, device=device, dtype=torch.float32)
         return alibi_bias(slopes, ctx.query_length, ctx.key_length, past_length=ctx.past_length)
 
-    def _per_key(self, ctx: PositionContext, device, dtype) -> bool:
-        """Causal self-attention with nothing else masked but padding, on CPU's fused kernel in full precision."""
-        return (
-            ctx.causal
-            and ctx.attn_implementation == "sdpa"
-            and device.type == "cpu"
-            and dtype in (torch.float32, torch.float64)
-            and ctx.keys_only
-            and ctx.query_length > 1
-            and not (self.training and self.attention_dropout > 0.0)
-        )
+    def compact(self, ctx, device, dtype):
+        """Causal ALiBi as a bias per key ``[H, K]`` (softmax ignores the row constant), which rides in the
+        fused causal kernel (causal_key_bias_attention); in float64, so that the kernel's per-chunk
+        differences of it are exact. Full precision only: half precision keeps the exact form."""
+        if not ctx.causal or ctx.query_length < 2 or dtype not in (torch.float32, torch.float64):
+            return None
+        return alibi_key_bias(alibi_slopes(self.num_heads, device=device, dtype=torch.float64), ctx.key_length)
 
-    def forward(self, ctx, device, dtype):
-        if self._per_key(ctx, device, dtype):
-            # Causal ALiBi is a bias per key [H, K] (softmax ignores the row constant): it rides in the fused
-            # causal kernel (causal_key_bias_attention), with no [1, H, Q, K] bias.
-            # float64, so that the kernel's per-chunk differences of it are exact
-            slopes = alibi_slopes(self.num_heads, device=device, dtype=torch.float64)
-            return alibi_key_bias(slopes, ctx.key_length)
-        return super().forward(ctx, device, dtype)
-
-    def attend(self, attn, query, key, value, bias, ctx):
-        if bias.dim() == 2:  # the per-key form of forward()
-            out = causal_key_bias_attention(query, key, value, bias, attention_mask=ctx.key_mask, scale=attn.scaling)
-            return out.transpose(1, 2), None
-        return super().attend(attn, query, key, value, bias, ctx)
+    def attend_compact(self, attn, query, key, value, compact, ctx):
+        return causal_key_bias_attention(query, key, value, compact, attention_mask=ctx.key_mask, scale=attn.scaling)
 
 
 class RopeScheme(PositionScheme):

@@ -109,7 +109,7 @@ def test_model_takes_the_per_key_form_and_matches_the_full_bias(monkeypatch, use
 
     per_key_logits, per_key_grads = run()
     assert len(calls) == config.num_hidden_layers
-    monkeypatch.setattr(model.model.position, "_per_key", lambda ctx, device, dtype: False)
+    monkeypatch.setattr(model.model.position, "compact", lambda ctx, device, dtype: None)
     full_logits, full_grads = run()
     assert len(calls) == config.num_hidden_layers
     torch.testing.assert_close(per_key_logits, full_logits, rtol=0, atol=1e-12)
