@@ -57,6 +57,19 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
     return value
 
 
+def _check_offset(name: str, value):
+    """A position offset: an int >= 0, or, while ``torch.compile`` traces, a cache's 0-d integer tensor, kept
+    a tensor (reading it on the host would break the graph); :func:`_is_zero` tells the two apart."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() and torch.compiler.is_compiling():
+        return value
+    return _check_int(name, value)
+
+
+def _is_zero(offset) -> bool:
+    """True for the int 0; a traced tensor offset is never known to be 0, so the paths for any offset run."""
+    return isinstance(offset, int) and offset == 0
+
+
 def _check_tensor(name: str, x, ndim: int, shape_doc: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(x).__name__}")
@@ -348,11 +361,17 @@ def t5_position_bias(
     _check_tensor("weight", weight, 2, "[num_buckets, heads]")
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
-    past_length = _check_int("past_length", past_length)
+    past_length = _check_offset("past_length", past_length)
     _check_t5_buckets(bidirectional, weight.shape[0], max_distance, buckets_name="weight.shape[0] (num_buckets)")
     # The bias depends on j - (past + i) only: bucket each of the Q + K - 1 distances once (the same
     # function, so the same buckets as upstream), then spread the per-distance values over [Q, K].
     device = weight.device
+    if isinstance(past_length, torch.Tensor):  # traced decoding: the distances' range is not known on the host
+        buckets = t5_relative_position_bucket(
+            _relative_distance(query_length, key_length, past_length, device),
+            bidirectional=bidirectional, num_buckets=weight.shape[0], max_distance=max_distance,
+        )
+        return F.embedding(buckets, weight).permute(2, 0, 1).unsqueeze(0)
     lowest = -(past_length + query_length - 1)
     distances = torch.arange(lowest, key_length - past_length, device=device)
     buckets = t5_relative_position_bucket(
@@ -653,7 +672,7 @@ def _banded_applies(q, k, v, reach, attention_mask, past_length, dropout_p, min_
     return (
         q.device.type == "cpu"
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)
-        and past_length == 0
+        and _is_zero(past_length)
         and dropout_p == 0.0
         and k.shape[2] == n
         and v.shape[-1] == q.shape[-1]  # the fused kernel needs one head size
@@ -754,7 +773,7 @@ def shaw_attention(
     """
     _check_qkv(q, k, v)
     max_relative_position = _check_int("max_relative_position", max_relative_position)
-    past_length = _check_int("past_length", past_length)
+    past_length = _check_offset("past_length", past_length)
     dropout_p = _check_dropout(dropout_p)
     n_rel = 2 * max_relative_position + 1
     _check_tensor("rel_k", rel_k, 2, "[2*max_relative_position+1, head_dim]")
@@ -817,8 +836,11 @@ def _rel_shift(x: torch.Tensor, key_length: int) -> torch.Tensor:
     without the copy. Entries for ``t >= R`` are read from the next row and must be masked
     (causal use with ``R = K``).
     """
-    x = x.contiguous()
     Q, R = x.shape[-2], x.shape[-1]
+    if torch.compiler.is_compiling():  # Dynamo cannot trace storage offsets: the same entries by index
+        t = torch.arange(key_length, device=x.device)[None, :] + (Q - 1 - torch.arange(Q, device=x.device))[:, None]
+        return x.gather(-1, t.clamp_max(R - 1).expand(*x.shape[:-2], Q, key_length))
+    x = x.contiguous()
     lead = x.shape[:-2]
     lead_strides = x.stride()[:-2]
     return x.as_strided((*lead, Q, key_length), (*lead_strides, R - 1, 1), x.storage_offset() + Q - 1)
@@ -1043,7 +1065,7 @@ def log_decay_bias(
     """The parameter-free bias ``B_ij = -scale · ln(1 + |j - (past_length + i)|)`` -> ``[Q, K]``."""
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
-    past_length = _check_int("past_length", past_length)
+    past_length = _check_offset("past_length", past_length)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale < 0:
         raise ValueError(f"scale must be a finite number >= 0, got {scale!r}")
     if dtype is not None and not dtype.is_floating_point:
@@ -1083,7 +1105,7 @@ def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past
     _check_tensor("slopes", slopes, 1, "[heads]")
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
-    past_length = _check_int("past_length", past_length)
+    past_length = _check_offset("past_length", past_length)
     distance = _relative_distance(query_length, key_length, past_length, slopes.device).abs()
     compute = torch.float64 if slopes.dtype == torch.float64 else torch.float32
     bias = -slopes.to(compute)[:, None, None] * distance.to(compute) + 0.0

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, StaticCache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -181,9 +181,15 @@ class PositionContext:
                        key_mask=move(self.key_mask))
 
     @property
+    def traced_offset(self) -> bool:
+        """The offsets are a static cache's tensors, traced by ``torch.compile``: their values are unknown
+        on the host, so every branch that depends on them takes the path that is right for any value."""
+        return isinstance(self.past_length, torch.Tensor)
+
+    @property
     def keys_only(self) -> bool:
         """Nothing is masked beyond causality but keys (padding): self-attention of a fresh forward."""
-        fresh = self.past_length == 0 and self.key_length == self.query_length
+        fresh = not self.traced_offset and self.past_length == 0 and self.key_length == self.query_length
         return fresh and (self.mask is None or self.key_mask is not None)
 
     def causal_mask(self, device) -> torch.Tensor:
@@ -198,7 +204,7 @@ class PositionContext:
         if self.causal:
             causal = self.causal_mask(device)
             mask = causal if mask is None else mask & causal
-        elif self.key_length > self.past_length + self.query_length:
+        elif self.traced_offset or self.key_length > self.past_length + self.query_length:
             filled = (torch.arange(self.key_length, device=device) < self.past_length + self.query_length)
             mask = filled[None, None, None] if mask is None else mask & filled
         return mask
@@ -208,6 +214,8 @@ class PositionContext:
         if self.mask is None:  # causality and a static cache's fill always leave a query its own key
             return None
         alive = self.full_mask(device).any(dim=-1, keepdim=True)
+        if torch.compiler.is_compiling():  # no host sync in a traced graph: keep the (cheap) mask
+            return alive
         return None if bool(alive.all()) else alive
 
 
@@ -226,8 +234,6 @@ class PositionScheme(nn.Module):
     ``layer_module`` and live in each attention module as ``relative``.
     """
 
-    supports_static_cache = True
-
     def __init__(self, config: RelPosConfig):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -243,7 +249,8 @@ class PositionScheme(nn.Module):
     def forward(self, ctx: PositionContext, device, dtype) -> Any:
         # With nothing masked beyond causality, SDPA's own is_causal flag keeps the fused kernel; it
         # aligns the causal pattern top-left, which is right only when queries and keys coincide.
-        all_keys_filled = ctx.key_length == ctx.past_length + ctx.query_length  # not so in a StaticCache
+        # Not so in a StaticCache (its unfilled slots are masked).
+        all_keys_filled = not ctx.traced_offset and ctx.key_length == ctx.past_length + ctx.query_length
         if ctx.attn_implementation == "sdpa" and ctx.mask is None and all_keys_filled:
             if not ctx.causal or ctx.query_length in (1, ctx.key_length):
                 return None
@@ -582,8 +589,6 @@ class RelativeDistances:
 class TransformerXLScheme(PositionScheme):
     """Dai et al. 2019: sinusoidal ``R`` for distances ``K-1 .. 0`` (and negative ones when bidirectional)."""
 
-    supports_static_cache = False  # the relative shift needs the keys to end at the last query
-
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.clamp_len = config.clamp_len
@@ -593,9 +598,17 @@ class TransformerXLScheme(PositionScheme):
         return TransformerXLRelative(config)
 
     def forward(self, ctx, device, dtype):
+        """Distances from the last query's, ``past + Q - 1``, down over the ``R`` positions the relative shift
+        reads: ``K`` (causal) or ``K + Q - 1``. The keys end at the last query (``past + Q = K``) except in a
+        StaticCache, whose unfilled slots get negative distances that the mask hides."""
         length = ctx.key_length if ctx.causal else ctx.key_length + ctx.query_length - 1
-        high, low = ctx.key_length - 1, ctx.key_length - length
-        values = torch.arange(high, low - 1, -1, device=device)
+        high = ctx.past_length + ctx.query_length - 1
+        values = high - torch.arange(length, device=device)
+        if ctx.traced_offset:  # a traced static cache: the projection is computed whole (see TransformerXLRelative)
+            if self.clamp_len > 0:
+                values = values.clamp(-self.clamp_len, self.clamp_len)
+            return RelativeDistances(values, None, None), dtype
+        low = high - length + 1
         if self.clamp_len > 0:
             values = values.clamp(-self.clamp_len, self.clamp_len)
             high, low = min(high, self.clamp_len), max(low, -self.clamp_len)
@@ -604,6 +617,8 @@ class TransformerXLScheme(PositionScheme):
     def attend(self, attn, query, key, value, term, ctx):
         distances, dtype = term
         r, u, w = attn.relative(distances, dtype)
+        # The kernel's causality assumes the keys end at the last query: a StaticCache's do not.
+        static = ctx.traced_offset or ctx.key_length > ctx.past_length + ctx.query_length
         out = transformer_xl_attention(
             query,
             key,
@@ -611,7 +626,7 @@ class TransformerXLScheme(PositionScheme):
             r,
             u,
             w,
-            attention_mask=ctx.mask,
+            attention_mask=ctx.full_mask(query.device) if static else ctx.mask,
             is_causal=ctx.causal,
             dropout_p=attn.attention_dropout if attn.training else 0.0,
             need_weights=ctx.output_attentions,
@@ -726,7 +741,9 @@ class RelPosPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _can_compile_fullgraph = False
+    # A decode step with a StaticCache traces into one graph (torch.compile fullgraph=True) for every scheme:
+    # the cache's offset stays a tensor (PositionContext.traced_offset), never read on the host.
+    _can_compile_fullgraph = True
     # Transformers' `capture_outputs` records these modules' outputs for `output_hidden_states` (each
     # layer's input, then the final normed state) and `output_attentions` (the attention's second output).
     _can_record_outputs = {"hidden_states": RelPosDecoderLayer, "attentions": RelPosAttention}
@@ -834,13 +851,8 @@ class RelPosModel(RelPosPreTrainedModel):
                 raise ValueError(
                     f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
                 )
-            if isinstance(past_key_values, StaticCache) and not self.position.supports_static_cache:
-                raise ValueError(
-                    f"past_key_values: StaticCache is not supported by position_encoding="
-                    f"{config.position_encoding!r}; use DynamicCache"
-                )
             if len(past_key_values.layers) > config.num_hidden_layers or (
-                past_key_values.get_seq_length() > 0 and len(past_key_values.layers) != config.num_hidden_layers
+                len(past_key_values.layers) != config.num_hidden_layers and past_key_values.get_seq_length() > 0
             ):
                 raise ValueError(
                     f"past_key_values has {len(past_key_values.layers)} layers, this model has num_hidden_layers="
@@ -857,6 +869,12 @@ class RelPosModel(RelPosPreTrainedModel):
                         "for this input and configuration"
                     )
             past = past_key_values.get_seq_length()
+            if torch.compiler.is_compiling():
+                # A static cache's length is a tensor in a traced graph: checks that read it on the host
+                # run in eager calls only, as the token-id range check does.
+                past = None
+            else:
+                past = int(past)
 
         mem_length = 0
         if mems is not None:
@@ -898,7 +916,7 @@ class RelPosModel(RelPosPreTrainedModel):
                     f"a 4-D attention_mask must be [batch={batch}, 1, seq_len={length}, keys={keys}] (and cannot be "
                     f"combined with mems), got shape {tuple(attention_mask.shape)}"
                 )
-        elif attention_mask is not None:
+        elif attention_mask is not None and past is not None:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (
                 length + past,
                 length + past + mem_length,
@@ -957,11 +975,13 @@ class RelPosModel(RelPosPreTrainedModel):
         if past_key_values is not None:
             q_offset = past_key_values.get_query_offset(0)
             kv_length, kv_offset = past_key_values.get_mask_sizes(length, 0)
+            if not torch.compiler.is_compiling():  # a static cache's tensors, read once (traced: kept tensors)
+                q_offset, kv_length, kv_offset = int(q_offset), int(kv_length), int(kv_offset)
         else:
             q_offset, kv_length, kv_offset = 0, length, 0
+        fresh = isinstance(q_offset, int) and q_offset == 0 and kv_length == length and not mem_length
         documents = self._packed_documents(
-            kwargs, position_ids, attention_mask, fresh=q_offset == 0 and kv_length == length and not mem_length,
-            batch=batch, length=length, device=device,
+            kwargs, position_ids, attention_mask, fresh=fresh, batch=batch, length=length, device=device,
         )
         if position_ids is None and documents is not None:  # packed by cu_seq_lens_q / seq_idx alone
             token = torch.arange(length, device=device).expand(batch, -1)
@@ -1002,8 +1022,7 @@ class RelPosModel(RelPosPreTrainedModel):
         )
         ctx.alive = ctx.live_rows(device)
         if mask is not None and documents is None and attention_mask is not None:
-            fresh = attention_mask.dim() == 2 and attention_mask.shape[1] == length == kv_length
-            if fresh and not mem_length and q_offset == 0 and config.sliding_window is None:
+            if fresh and attention_mask.dim() == 2 and config.sliding_window is None:
                 ctx.key_mask = attention_mask.bool()[:, None, None, :]
 
         hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
@@ -1043,6 +1062,8 @@ class RelPosModel(RelPosPreTrainedModel):
         nothing else to go by: no padding mask, no past (generate's position_ids for left padding also
         restart at each row's first token).
         """
+        if not fresh and kwargs.get("cu_seq_lens_q") is None and kwargs.get("seq_idx") is None:
+            return None  # decoding: nothing to tell apart (and no host sync in a traced step)
         unpadded = attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
         documents = self._documents(kwargs, position_ids if fresh and unpadded else None, batch, length, device)
         if documents is not None and not (fresh and unpadded):
@@ -1093,7 +1114,7 @@ class RelPosModel(RelPosPreTrainedModel):
         memory_mask = None
         if attention_mask is not None and mem_length and attention_mask.shape[1] == mem_length + length:
             memory_mask, attention_mask = attention_mask[:, :mem_length].bool(), attention_mask[:, mem_length:]
-        if attention_mask is None or bool(attention_mask.all()):
+        if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
             mask = None
         else:
             make = create_causal_mask if self.config.is_decoder else create_bidirectional_mask

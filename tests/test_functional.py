@@ -1131,3 +1131,47 @@ def test_cuda_matches_cpu():
                        F.t5_position_bias(wt, 7, 9, past_length=3))
     assert F.alibi_slopes(8, device=dev).device.type == "cuda"
     assert F.log_decay_bias(3, 4, scale=1.0, device=dev).device.type == "cuda"
+
+
+# ---------------------------------------------------------------------------
+# A cache's offset as a traced tensor (compiled decoding)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("past", [0, 5, 40])
+def test_traced_tensor_offset_gives_the_int_offsets_result(past):
+    """Under torch.compile a static cache's offset is a 0-d tensor: the position functions take it without
+    reading it on the host (no ``.item()`` in the graph) and give what the int offset gives (T5's bias
+    through its own path)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(32, 4, generator=g)
+    slopes = F.alibi_slopes(4)
+    q = torch.randn(2, 4, 2, 8, generator=g)
+    k, v = (torch.randn(2, 4, 48, 8, generator=g) for _ in range(2))
+    rel_k, rel_v = torch.randn(7, 8, generator=g), torch.randn(7, 8, generator=g)
+
+    def terms(p):
+        return (
+            F.t5_position_bias(weight, 2, 48, bidirectional=False, max_distance=20, past_length=p),
+            F.t5_position_bias(weight, 2, 48, bidirectional=True, max_distance=20, past_length=p),
+            F.alibi_bias(slopes, 2, 48, past_length=p),
+            F.log_decay_bias(2, 48, scale=0.3, past_length=p),
+            F.shaw_attention(q, k, v, rel_k, rel_v, max_relative_position=3, is_causal=True, past_length=p),
+        )
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    traced = torch.compile(terms, fullgraph=True, backend=record)(torch.tensor(past))
+    # No host read of the offset in the graph: a sync that CUDA graphs (generate's default mode) cannot hold.
+    calls = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert not [c for c in calls if c == "item" or "local_scalar_dense" in c], calls
+    for got, expected in zip(traced, terms(past)):
+        assert got.shape == expected.shape
+        assert torch.equal(got, expected) or torch.allclose(got, expected, atol=1e-6, rtol=0)

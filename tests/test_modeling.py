@@ -671,7 +671,7 @@ def test_beam_search(position_encoding):
 # 7. StaticCache
 # ---------------------------------------------------------------------------
 
-STATIC_OK = tuple(p for p in ENCODINGS if p != "transformer_xl")
+STATIC_OK = ENCODINGS  # Transformer-XL's too: its distances count from the last query, not the last key slot
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -719,14 +719,19 @@ def test_bidirectional_static_cache_hides_unfilled_slots(position_encoding, impl
     assert_close(cached.last_hidden_state, full, what="bidirectional forward into a StaticCache")
 
 
-def test_transformer_xl_rejects_static_cache():
-    model = build("transformer_xl")
-    ids = rand_ids(1, 4)
-    with pytest.raises(ValueError, match="StaticCache"):
-        greedy(model, ids, 3, cache_implementation="static")
-    with pytest.raises(ValueError, match="StaticCache"):
-        with torch.no_grad():
-            model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
+def test_transformer_xl_static_cache_with_memory_and_clamp():
+    """Transformer-XL with a StaticCache also with clamped distances (clamp_len < the cache) and a memory
+    window: chunked forwards into it give the full forward's logits."""
+    model = build("transformer_xl", clamp_len=3, mem_len=8)
+    ids = rand_ids(2, 10, seed=18)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        start = 0
+        for size in (4, 1, 3, 2):
+            out = model(ids[:, start : start + size], past_key_values=cache, use_cache=True)
+            assert_close(out.logits, full[:, start : start + size], what=f"tokens {start}:{start + size}")
+            start += size
 
 
 # ---------------------------------------------------------------------------
@@ -1023,6 +1028,90 @@ def test_torch_compile_matches_eager(position_encoding):
         compiled = torch.compile(model)
         got = compiled(ids, use_cache=False).logits
     assert_close(got, expected, what="compiled vs eager")
+
+
+def _compile_config(backend: str):
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None if backend == "eager" else "default")
+    config._compile_all_devices = True  # generate compiles only on accelerators unless told otherwise
+    return config
+
+
+@pytest.mark.parametrize("position_encoding", STATIC_OK)
+def test_compiled_decode_step_is_one_graph_with_eager_logits(position_encoding):
+    """A decode step into a StaticCache traces whole (fullgraph=True; a recording backend checks the tracing
+    without inductor's compile time), its logits equal eager's at every step of a padded batch,
+    and later steps reuse the first step's graph (the cache's offset is a tensor, not a guarded int)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = build(position_encoding, impl="sdpa")
+    B, L, steps, slots = 2, 7, 3, 16
+    ids = rand_ids(B, L, seed=15)
+    keep = torch.zeros(B, slots, dtype=torch.bool)
+    keep[:, : L + steps] = True
+    keep[1, :2] = False  # row 1 left-padded
+
+    def mask_for(start, length):  # [B, 1, Q, slots], as generate builds for a static cache
+        i = torch.arange(start, start + length)[:, None]
+        return (keep[:, None, None, :] & (torch.arange(slots)[None, :] <= i))
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(
+        lambda x, m, c: model(x, attention_mask=m, past_key_values=c, use_cache=True).logits,
+        fullgraph=True, backend=record,
+    )
+    with torch.no_grad():
+        caches = [StaticCache(config=model.config, max_cache_len=slots) for _ in range(2)]
+        prefill = [model(ids, attention_mask=mask_for(0, L), past_key_values=c, use_cache=True).logits for c in caches]
+        token = prefill[0][:, -1:].argmax(-1)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for t in range(steps):
+                mask = mask_for(L + t, 1)
+                expected = model(token, attention_mask=mask, past_key_values=caches[0], use_cache=True).logits
+                got = step(token, mask, caches[1])
+                assert_close(got, expected, what=f"compiled decode step {t}")
+                token = expected[:, -1:].argmax(-1)
+    # One graph, and no host read of the cache's offset in it (CUDA graphs, generate's default, cannot hold one).
+    assert len(graphs) == 1
+    calls = [str(node.target) for node in graphs[0].graph.nodes]
+    assert not [c for c in calls if c == "item" or "local_scalar_dense" in c], calls
+
+
+@pytest.mark.parametrize("position_encoding", STATIC_OK)
+def test_compiled_generate_gives_eager_tokens(position_encoding):
+    """generate with a static cache and a fullgraph compile config gives the eager (dynamic cache) greedy
+    tokens, left padding included."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = build(position_encoding, impl="sdpa")
+    mask = padding_mask(2, 6, "left", pads=(0, 2))
+    ids = rand_ids(2, 6, seed=16).masked_fill(mask == 0, 0)
+    expected = greedy(model, ids, 8, attention_mask=mask, pad_token_id=0)
+    got = greedy(model, ids, 8, attention_mask=mask, pad_token_id=0, cache_implementation="static",
+                 compile_config=_compile_config("eager"))
+    assert torch.equal(got, expected), f"compiled {got[:, 6:].tolist()} vs eager {expected[:, 6:].tolist()}"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_inductor_compiled_generate_gives_eager_tokens():
+    """The same through inductor (generated code, not just tracing), for T5's bias: its traced offset takes
+    the per-[Q, K] bucket path of t5_position_bias."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = build("t5_bias", impl="sdpa")
+    ids = rand_ids(2, 6, seed=17)
+    expected = greedy(model, ids, 6)
+    got = greedy(model, ids, 6, cache_implementation="static", compile_config=_compile_config("inductor"))
+    assert torch.equal(got, expected), f"inductor {got[:, 6:].tolist()} vs eager {expected[:, 6:].tolist()}"
 
 
 # ---------------------------------------------------------------------------
