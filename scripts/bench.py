@@ -9,6 +9,7 @@ a Markdown table with the command, date, torch version and machine.
     python scripts/bench.py --quick               # about 3 minutes: n=512, fewer repeats
     python scripts/bench.py --padded --lengths 2048 --causal-lengths 2048 --no-decode \
         --output results/bench-cpu-padded.md      # a padded batch (about 6 minutes)
+    python scripts/bench.py --compiled-only --output results/bench-cpu-compiled.md   # compiled decoding
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def compiled_decoding(names, context: int, new_tokens: int, repeats: int) -> dic
     """Greedy decoding into a StaticCache after an eager prefill of ``context`` tokens: tokens/s of the eager
     step and of the same step compiled (inductor, ``fullgraph=True``), interleaved; the compile time of the
     first compiled run; and whether both give the same tokens."""
+    from tqdm.auto import tqdm
     from transformers import StaticCache
 
     ids = torch.randint(0, 1024, (1, context))
@@ -198,6 +200,7 @@ def main() -> None:
     parser.add_argument("--output", default="results/bench-cpu.md")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory runs")
     parser.add_argument("--no-decode", action="store_true", help="skip the cached decoding runs")
+    parser.add_argument("--compiled-only", action="store_true", help="only the compiled-decoding table")
     parser.add_argument("--compiled-context", type=int, default=1024,
                         help="context of the compiled-decoding runs (0: skip them)")
     parser.add_argument("--padded", action="store_true",
@@ -210,6 +213,8 @@ def main() -> None:
         return peak_memory_child(name, int(n), int(batch))
     if args.quick:
         args.lengths, args.causal_lengths, args.contexts, args.repeats = [512], [512], [256, 1024], 3
+    if args.compiled_only:
+        args.lengths, args.causal_lengths, args.contexts, args.no_memory = [], [], [], True
 
     from tqdm.auto import tqdm
 
