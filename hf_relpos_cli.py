@@ -18,7 +18,9 @@ import sys
 from typing import Optional
 
 # hf_relpos.POSITION_ENCODINGS, restated so that parsing needs no torch (tests/test_cli.py keeps them equal).
-SCHEMES = ("t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "rope", "sinusoidal", "learned")
+SCHEMES = (
+    "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
+)
 PRESETS = {
     "tiny": dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, intermediate_size=512),
     "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
@@ -149,6 +151,11 @@ def parser() -> argparse.ArgumentParser:
                    help="where the table (md, json), plot and models go (default: a new runs/compare-<date>-<time>)")
     p.add_argument("--schemes", nargs="+", choices=SCHEMES, default=None, help="schemes to compare (default: all)")
     p.add_argument("--quick", action="store_true", help="a few-minute run (at most 60 steps, L <= 64), marked as such")
+    p.add_argument("--seeds", type=positive_int, default=3, help="seeds per scheme (--seed, --seed + 1, ...)")
+    p.add_argument("--factors", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                   help="evaluation lengths as multiples of L")
+    p.add_argument("--sliding", action="store_true",
+                   help="evaluate with sliding windows moving by L tokens (default: non-overlapping segments)")
     _add_training_arguments(p, steps=500, seq_len=128)
     return root
 

@@ -6,7 +6,12 @@ import math
 
 from transformers import PreTrainedConfig
 
-POSITION_ENCODINGS = ("t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "rope", "sinusoidal", "learned")
+POSITION_ENCODINGS = (
+    "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
+)
+# Schemes defined for causal attention only: NoPE's positions come from the causal mask alone, and FIRE
+# normalises distances by the query's position, which bounds them only for keys at or before it.
+CAUSAL_ONLY = ("fire", "nope")
 HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu")
 
 
@@ -27,6 +32,10 @@ class RelPosConfig(PreTrainedConfig):
       ``W_{k,R}`` and segment-level memory (``mem_len``, ``clamp_len``).
     - ``"log_decay"``: the fixed bias ``-log_decay_scale * ln(1 + |i - j|)``.
     - ``"alibi"``: Press et al. 2022's fixed linear biases.
+    - ``"kerple_log"``: Chi et al. 2022's learned ``-r1_h * ln(1 + r2_h * |i - j|)``, ``r1_h, r2_h > 0`` per head.
+    - ``"fire"``: Li et al. 2024's learned MLP (width ``fire_mlp_width``) of the progressively normalised log
+      distance, with a learned threshold initialised at ``fire_threshold``; causal only.
+    - ``"nope"``: no position information at all (Kazemnejad et al. 2023); causal only.
     - baselines: ``"rope"`` (rotary, ``rope_theta``), ``"sinusoidal"`` and ``"learned"`` absolute positions
       (up to ``max_position_embeddings``).
 
@@ -63,6 +72,8 @@ class RelPosConfig(PreTrainedConfig):
     mem_len: int = 0
     clamp_len: int = -1
     log_decay_scale: float = 1.0
+    fire_mlp_width: int = 32
+    fire_threshold: float = 512.0
     rope_theta: float = 10000.0
     is_decoder: bool = True
     hidden_dropout: float = 0.0
@@ -119,8 +130,13 @@ class RelPosConfig(PreTrainedConfig):
                 f"RelPosConfig.position_encoding must be one of {list(POSITION_ENCODINGS)}, "
                 f"got {self.position_encoding!r}"
             )
+        if self.position_encoding in CAUSAL_ONLY and self.is_decoder is not True:
+            raise ValueError(
+                f"RelPosConfig.is_decoder must be True for position_encoding={self.position_encoding!r} (defined for "
+                f"causal attention only), got {self.is_decoder!r}"
+            )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "fire_mlp_width"):
             positive_int(name)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -164,6 +180,7 @@ class RelPosConfig(PreTrainedConfig):
             )
         self._check_window(getattr(self, "_window", None))
         positive_float("log_decay_scale")
+        positive_float("fire_threshold")
         positive_float("rope_theta")
         positive_float("rms_norm_eps")
         positive_float("initializer_range")
@@ -239,4 +256,4 @@ class RelPosConfig(PreTrainedConfig):
         return self.hidden_size // self.num_attention_heads
 
 
-__all__ = ["RelPosConfig", "POSITION_ENCODINGS"]
+__all__ = ["RelPosConfig", "POSITION_ENCODINGS", "CAUSAL_ONLY"]

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.autograd.function import once_differentiable
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "alibi_bias",
     "alibi_key_bias",
     "causal_key_bias_attention",
+    "kerple_log_bias",
+    "fire_bias",
 ]
 
 
@@ -1251,3 +1254,103 @@ def causal_key_bias_attention(
     alive = torch.isfinite(exact).any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=exact.to(q.dtype), scale=scale)
     return out.masked_fill(~alive, 0.0) if not bool(alive.all()) else out
+
+
+# ----------------------------------------------------------------------------------
+# Learned biases of the distance: KERPLE (Chi et al. 2022), FIRE (Li et al. 2024)
+# ----------------------------------------------------------------------------------
+
+
+def kerple_log_bias(
+    r1: torch.Tensor, r2: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0
+) -> torch.Tensor:
+    """KERPLE's logarithmic kernel ``B[h, i, j] = -r1_h · ln(1 + r2_h · |j - (past_length + i)|)`` -> ``[1, H, Q, K]``.
+
+    ``r1``, ``r2``: ``[H]``, positive (Chi et al. 2022, the "log" variant of their conditionally positive
+    definite kernels). The fixed log-decay bias is the case ``r1 = scale``, ``r2 = 1``.
+    """
+    _check_tensor("r1", r1, 1, "[heads]")
+    _check_tensor("r2", r2, 1, "[heads]")
+    if r1.shape != r2.shape:
+        raise ValueError(f"r1 and r2 must both be [heads], got shapes {tuple(r1.shape)} and {tuple(r2.shape)}")
+    query_length = _check_int("query_length", query_length)
+    key_length = _check_int("key_length", key_length)
+    past_length = _check_offset("past_length", past_length)
+    if not torch.compiler.is_compiling():  # a host read: checked in eager calls
+        for name, value in (("r1", r1), ("r2", r2)):
+            if not bool((value > 0).all()):
+                raise ValueError(f"{name} must be positive (KERPLE's r1, r2 > 0), got {value.detach().tolist()}")
+    distance = _relative_distance(query_length, key_length, past_length, r1.device).abs()
+    compute = torch.float64 if r1.dtype == torch.float64 else torch.float32
+    bias = -r1.to(compute)[:, None, None] * torch.log1p(r2.to(compute)[:, None, None] * distance.to(compute)) + 0.0
+    return bias.to(r1.dtype).unsqueeze(0)
+
+
+# Rows of the FIRE MLP's [rows, K, width] hidden layer formed at a time: memory stays bounded at any length.
+_FIRE_ELEMENTS = 1 << 22
+
+
+def _fire_mlp(x, w1, b1, w2, b2):
+    return F.linear(F.relu(F.linear(x[..., None], w1, b1)), w2, b2)
+
+
+def fire_bias(
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    c: torch.Tensor,
+    threshold: torch.Tensor,
+    query_length: int,
+    key_length: int,
+    *,
+    past_length: int = 0,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """FIRE (Li et al. 2024, its bias with a learned threshold): ``B[h, i, j] = f(ψ(p_i - j) / ψ(max(L, p_i)))_h`` -> ``[1, H, Q, K]``.
+
+    ``p_i = past_length + i`` is the query's position; ``ψ(x) = ln(1 + |c·x|)`` the log transform with a
+    learned ``c``; ``L = threshold`` the learned length below which the normaliser stays ``ψ(L)``
+    (progressive interpolation beyond it); ``f(x) = w2·relu(w1·x + b1) + b2`` the learned MLP, given as an
+    ``nn.Linear`` pair's weights: ``w1`` ``[width, 1]``, ``b1`` ``[width]``, ``w2`` ``[H, width]``, ``b2``
+    ``[H]``; ``c`` and ``threshold`` are 0-d. ``eps`` keeps ``ψ(max(L, p_i))`` away from 0, as the paper's
+    code does. Meant for causal attention (``j <= p_i``); the MLP runs over blocks of query rows, each
+    recomputed in backward, so its ``[rows, K, width]`` hidden layer is never whole.
+    """
+    for name, x, ndim, doc in (("w1", w1, 2, "[width, 1]"), ("b1", b1, 1, "[width]"), ("w2", w2, 2, "[heads, width]"),
+                               ("b2", b2, 1, "[heads]"), ("c", c, 0, "[] (a scalar)"),
+                               ("threshold", threshold, 0, "[] (a scalar)")):
+        _check_tensor(name, x, ndim, doc)
+    width, heads = w1.shape[0], w2.shape[0]
+    if w1.shape[1] != 1 or tuple(b1.shape) != (width,) or tuple(w2.shape) != (heads, width) or tuple(b2.shape) != (heads,):
+        raise ValueError(
+            f"w1, b1, w2, b2 must be [width, 1], [width], [heads, width], [heads] (an nn.Linear pair), got "
+            f"{[tuple(t.shape) for t in (w1, b1, w2, b2)]}"
+        )
+    query_length = _check_int("query_length", query_length)
+    key_length = _check_int("key_length", key_length)
+    past_length = _check_offset("past_length", past_length)
+    device = w1.device
+    compute = torch.float64 if w1.dtype == torch.float64 else torch.float32
+    c, threshold = c.to(compute), threshold.to(compute)
+    position = (torch.arange(query_length, device=device) + past_length).to(compute)
+
+    def psi(x):
+        return torch.log1p((c * x).abs())
+
+    normaliser = psi(torch.maximum(position, threshold)) + eps  # [Q]
+    distance = _relative_distance(query_length, key_length, past_length, device).to(compute)
+    x = psi(distance) / normaliser[:, None]  # [Q, K]: |p_i - j| through ψ's absolute value
+    weights = [t.to(compute) for t in (w1, b1, w2, b2)]
+    rows = max(1, _FIRE_ELEMENTS // max(1, key_length * width))
+    checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights))
+    blocks = []
+    for start in range(0, query_length, rows):
+        part = x[start : start + rows]
+        if checkpoint:  # keep only x for backward, not the hidden layer
+            blocks.append(torch.utils.checkpoint.checkpoint(_fire_mlp, part, *weights, use_reentrant=False))
+        else:
+            blocks.append(_fire_mlp(part, *weights))
+    bias = torch.cat(blocks) if blocks else x.new_zeros(0, key_length, heads)
+    return bias.permute(2, 0, 1).unsqueeze(0).to(w1.dtype)
+

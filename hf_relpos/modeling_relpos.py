@@ -29,13 +29,15 @@ from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_relpos import RelPosConfig
+from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
 from .functional import (
     alibi_bias,
     alibi_key_bias,
     alibi_slopes,
     attention_with_bias,
     causal_key_bias_attention,
+    fire_bias,
+    kerple_log_bias,
     log_decay_bias,
     saturating_bias_attention,
     shaw_attention,
@@ -236,6 +238,11 @@ class PositionScheme(nn.Module):
 
     def __init__(self, config: RelPosConfig):
         super().__init__()
+        if config.position_encoding in CAUSAL_ONLY and not config.is_decoder:  # is_decoder set after construction
+            raise ValueError(
+                f"RelPosConfig.is_decoder must be True for position_encoding={config.position_encoding!r} (defined "
+                f"for causal attention only), got {config.is_decoder!r}"
+            )
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
 
@@ -405,6 +412,44 @@ class AlibiScheme(AdditiveBiasScheme):
         return causal_key_bias_attention(query, key, value, compact, attention_mask=ctx.key_mask, scale=attn.scaling)
 
 
+class KerpleLogScheme(AdditiveBiasScheme):
+    """Chi et al. 2022 (KERPLE, logarithmic variant): ``-r1_h·ln(1 + r2_h·|i - j|)``, learned ``r1_h, r2_h > 0``."""
+
+    # KERPLE's code keeps r1, r2 positive by clamping them at this floor (no gradient below it).
+    floor = 1e-2
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.r1 = nn.Parameter(torch.ones(config.num_attention_heads))
+        self.r2 = nn.Parameter(torch.ones(config.num_attention_heads))
+
+    def bias(self, ctx, device, dtype):
+        r1, r2 = self.r1.clamp_min(self.floor), self.r2.clamp_min(self.floor)
+        return kerple_log_bias(r1, r2, ctx.query_length, ctx.key_length, past_length=ctx.past_length)
+
+
+class FireScheme(AdditiveBiasScheme):
+    """Li et al. 2024 (FIRE): a learned MLP of the progressively normalised log distance, causal."""
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        self.init_threshold = config.fire_threshold
+        self.mlp = nn.Sequential(
+            nn.Linear(1, config.fire_mlp_width), nn.ReLU(), nn.Linear(config.fire_mlp_width, config.num_attention_heads)
+        )
+        self.c = nn.Parameter(torch.tensor(0.1))
+        # The threshold L as the paper's code learns it: a multiplier of its initial value.
+        self.threshold_scale = nn.Parameter(torch.tensor(1.0))
+
+    def bias(self, ctx, device, dtype):
+        first, last = self.mlp[0], self.mlp[2]
+        threshold = (self.threshold_scale * self.init_threshold).abs()
+        return fire_bias(
+            first.weight, first.bias, last.weight, last.bias, self.c, threshold, ctx.query_length, ctx.key_length,
+            past_length=ctx.past_length,
+        )
+
+
 class RopeScheme(PositionScheme):
     """Su et al. 2021: rotate query/key pairs by ``position · θ^(-2k/d)`` (the plain-SDPA floor)."""
 
@@ -465,6 +510,10 @@ class LearnedScheme(AbsoluteScheme):
 
     def embed(self, inputs_embeds, ctx):
         return inputs_embeds + self.position_embeddings(ctx.position_ids).to(inputs_embeds.dtype)
+
+
+class NoPEScheme(PositionScheme):
+    """Kazemnejad et al. 2023: no position information; the causal mask alone orders the tokens."""
 
 
 class ShawRelative(nn.Module):
@@ -641,9 +690,12 @@ POSITION_SCHEMES: dict[str, type[PositionScheme]] = {
     "transformer_xl": TransformerXLScheme,
     "log_decay": LogDecayScheme,
     "alibi": AlibiScheme,
+    "kerple_log": KerpleLogScheme,
+    "fire": FireScheme,
     "rope": RopeScheme,
     "sinusoidal": SinusoidalScheme,
     "learned": LearnedScheme,
+    "nope": NoPEScheme,
 }
 
 
@@ -774,6 +826,14 @@ class RelPosPreTrainedModel(PreTrainedModel):
         elif isinstance(module, TransformerXLRelative):
             init.normal_(module.r_w_bias, mean=0.0, std=std)
             init.normal_(module.r_r_bias, mean=0.0, std=std)
+        elif isinstance(module, KerpleLogScheme):
+            # As KERPLE's code: r1 ~ U(0, 2), r2 ~ U(0, 1).
+            init.uniform_(module.r1, 0.0, 2.0)
+            init.uniform_(module.r2, 0.0, 1.0)
+        elif isinstance(module, FireScheme):
+            # As FIRE's code: c = 0.1, threshold multiplier 1 (the MLP's Linear layers are initialised above).
+            init.constant_(module.c, 0.1)
+            init.constant_(module.threshold_scale, 1.0)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code)."""

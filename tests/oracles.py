@@ -193,6 +193,34 @@ def alibi_bias_ref(slopes, Q, K, *, past_length=0):
     ).reshape(1, len(m), Q, K)
 
 
+def kerple_log_ref(r1, r2, Q, K, *, past_length=0):
+    """Chi et al. 2022, logarithmic kernel: -r1_h * ln(1 + r2_h * |j - (past + i)|)."""
+    a, b = [float(x) for x in r1.tolist()], [float(x) for x in r2.tolist()]
+    return torch.tensor(
+        [[[[-a[h] * math.log(1.0 + b[h] * abs(j - (past_length + i))) for j in range(K)] for i in range(Q)]
+          for h in range(len(a))]],
+        dtype=torch.float64,
+    ).reshape(1, len(a), Q, K)
+
+
+def fire_torch_ref(w1, b1, w2, b2, c, threshold, Q, K, *, past_length=0, eps=1e-6):
+    """Li et al. 2024 (FIRE), entry by entry with float64 torch scalars (differentiable):
+    f(psi(|p_i - j|) / (psi(max(L, p_i)) + eps)) with psi(x) = ln(1 + |c x|) and f = w2 relu(w1 x + b1) + b2."""
+    H, width = w2.shape
+    out = torch.zeros(1, H, Q, K, dtype=torch.float64)
+    rows = []
+    for i in range(Q):
+        p = past_length + i
+        norm = torch.log(1.0 + (c * torch.maximum(threshold, torch.tensor(float(p), dtype=torch.float64))).abs()) + eps
+        row = []
+        for j in range(K):
+            x = torch.log(1.0 + (c * float(p - j)).abs()) / norm
+            hidden = [torch.relu(w1[u, 0] * x + b1[u]) for u in range(width)]
+            row.append(torch.stack([b2[h] + sum(w2[h, u] * hidden[u] for u in range(width)) for h in range(H)]))
+        rows.append(torch.stack(row, dim=-1))  # [H, K]
+    return torch.stack(rows, dim=1).unsqueeze(0) if rows else out  # [1, H, Q, K]
+
+
 # ---------------------------------------------------------------------------
 # differentiable (torch scalar-op) oracles, still loops
 # ---------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from hf_relpos import functional as F
 from oracles import (
     alibi_bias_ref,
     alibi_slopes_ref,
+    fire_torch_ref,
+    kerple_log_ref,
     log_decay_ref,
     shaw_ref,
     shaw_torch_ref,
@@ -1175,3 +1177,94 @@ def test_traced_tensor_offset_gives_the_int_offsets_result(past):
     for got, expected in zip(traced, terms(past)):
         assert got.shape == expected.shape
         assert torch.equal(got, expected) or torch.allclose(got, expected, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------
+# KERPLE (logarithmic) and FIRE
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("Q,K,past,H", [(4, 4, 0, 4), (3, 7, 4, 3), (1, 30, 29, 8), (5, 3, 9, 2)])
+def test_kerple_log_bias_matches_oracle_values_and_gradients(Q, K, past, H):
+    g = gen(Q * 100 + K)
+    r1 = (torch.rand(H, generator=g, dtype=torch.float64) * 2 + 0.01).requires_grad_()
+    r2 = (torch.rand(H, generator=g, dtype=torch.float64) + 0.01).requires_grad_()
+    got = F.kerple_log_bias(r1, r2, Q, K, past_length=past)
+    assert got.shape == (1, H, Q, K) and got.dtype == torch.float64
+    assert_close64(got, kerple_log_ref(r1.detach(), r2.detach(), Q, K, past_length=past), 1e-12)
+    # gradients against the closed form: d/dr1 = -ln(1 + r2 d), d/dr2 = -r1 d / (1 + r2 d)
+    weights = torch.randn(1, H, Q, K, generator=g, dtype=torch.float64)
+    g1, g2 = torch.autograd.grad((got * weights).sum(), (r1, r2))
+    d = torch.tensor([[abs(j - (past + i)) for j in range(K)] for i in range(Q)], dtype=torch.float64)
+    a, b = r1.detach()[:, None, None], r2.detach()[:, None, None]
+    assert_close64(g1, (weights[0] * -torch.log1p(b * d)).sum((1, 2)), 1e-10)
+    assert_close64(g2, (weights[0] * -a * d / (1 + b * d)).sum((1, 2)), 1e-10)
+
+
+def test_kerple_log_bias_generalises_log_decay():
+    """r1 = scale, r2 = 1 is the fixed log-decay bias."""
+    got = F.kerple_log_bias(torch.full((3,), 0.7, dtype=torch.float64), torch.ones(3, dtype=torch.float64), 4, 9,
+                            past_length=5)
+    assert_close64(got[0, 2], log_decay_ref(4, 9, scale=0.7, past_length=5), 1e-12)
+
+
+def test_kerple_log_bias_errors():
+    ok = torch.ones(4)
+    for r1, r2, name in ((torch.tensor([1.0, 0.0, 1.0, 1.0]), ok, "r1"), (ok, -ok, "r2"), (ok, torch.ones(3), "r2"),
+                         (torch.ones(2, 2), ok, "r1")):
+        with pytest.raises(ValueError) as ei:
+            F.kerple_log_bias(r1, r2, 3, 3)
+        assert_names(ei, name)
+    with pytest.raises(ValueError) as ei:
+        F.kerple_log_bias(ok, ok, 3, 3, past_length=-2)
+    assert_names(ei, "past_length")
+
+
+def _fire_params(H, width, seed, dtype=torch.float64):
+    g = gen(seed)
+    w1, b1 = torch.randn(width, 1, generator=g, dtype=dtype), torch.randn(width, generator=g, dtype=dtype)
+    w2, b2 = torch.randn(H, width, generator=g, dtype=dtype), torch.randn(H, generator=g, dtype=dtype)
+    return [w1, b1, w2, b2, torch.tensor(0.3, dtype=dtype), torch.tensor(6.0, dtype=dtype)]
+
+
+@pytest.mark.parametrize("Q,K,past", [(5, 5, 0), (3, 12, 9), (1, 20, 19), (4, 6, 0)])
+def test_fire_bias_matches_oracle_values_and_gradients(Q, K, past):
+    """Rows below and beyond the threshold L = 6 (the normaliser switches from psi(L) to psi(p_i)); the
+    gradients of all six parameters against the scalar oracle's."""
+    params = [t.requires_grad_() for t in _fire_params(3, 5, Q * 31 + K)]
+    got = F.fire_bias(*params, Q, K, past_length=past)
+    expected = fire_torch_ref(*params, Q, K, past_length=past)
+    assert got.shape == (1, 3, Q, K) and got.dtype == torch.float64
+    assert_close64(got, expected.detach(), 1e-12)
+    weights = torch.randn(1, 3, Q, K, generator=gen(7), dtype=torch.float64)
+    grads = torch.autograd.grad((got * weights).sum(), params)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), params)
+    for name, a, b in zip(("w1", "b1", "w2", "b2", "c", "threshold"), grads, expected_grads):
+        assert_close64(a, b, 1e-10, what=name)
+
+
+def test_fire_bias_blocks_of_rows_give_the_whole(monkeypatch):
+    """The MLP runs over blocks of query rows (checkpointed when a gradient is needed): blocks of 2 rows give
+    the single-block values and gradients."""
+    params = [t.requires_grad_() for t in _fire_params(2, 4, 3)]
+    whole = F.fire_bias(*params, 7, 9, past_length=2)
+    grads = torch.autograd.grad(whole.pow(2).sum(), params)
+    monkeypatch.setattr(F, "_FIRE_ELEMENTS", 2 * 9 * 4)
+    blocks = F.fire_bias(*params, 7, 9, past_length=2)
+    assert_close64(blocks, whole.detach(), 0.0)
+    for a, b in zip(torch.autograd.grad(blocks.pow(2).sum(), params), grads):
+        assert_close64(a, b, 1e-12)
+
+
+def test_fire_bias_errors():
+    w1, b1, w2, b2, c, threshold = _fire_params(2, 4, 1)
+    with pytest.raises(ValueError) as ei:
+        F.fire_bias(w1, b1, w2[:, :3], b2, c, threshold, 3, 3)
+    assert_names(ei, "w2")
+    with pytest.raises(ValueError) as ei:
+        F.fire_bias(w1, b1, w2, b2, c.reshape(1), threshold, 3, 3)
+    assert_names(ei, "c")
+    with pytest.raises(ValueError) as ei:
+        F.fire_bias(w1, b1, w2, b2, c, threshold, 3, 3, past_length=-1)
+    assert_names(ei, "past_length")
+

@@ -532,9 +532,10 @@ def test_fuzz_attention_with_bias(data):
 # ---------------------------------------------------------------------------------------------------
 
 POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "max_position_embeddings")
+                 "max_position_embeddings", "fire_mlp_width")
 BOOLS = ("is_decoder", "shaw_value_embeddings", "attention_bias", "use_cache", "tie_word_embeddings")
-POSITIVE_FLOATS = ("log_decay_scale", "rope_theta", "rms_norm_eps", "initializer_range")
+POSITIVE_FLOATS = ("log_decay_scale", "fire_threshold", "rope_theta", "rms_norm_eps", "initializer_range")
+CAUSAL_ONLY = ("fire", "nope")  # the README: defined for causal attention only
 PROBABILITIES = ("hidden_dropout", "attention_dropout")
 NOT_VALUES = ["x", None, [], float("nan"), float("inf"), -1, 0, 1.5, True, False, 10**6]
 
@@ -554,6 +555,8 @@ VALID = {
     "mem_len": st.integers(0, 64),
     "clamp_len": st.one_of(st.just(-1), st.integers(1, 64)),
     "log_decay_scale": st.floats(1e-6, 1e3),
+    "fire_mlp_width": st.integers(1, 64),
+    "fire_threshold": st.floats(1e-3, 1e4),
     "rope_theta": st.floats(1.0, 1e6),
     "rms_norm_eps": st.floats(1e-12, 1e-1),
     "initializer_range": st.floats(1e-4, 1.0),
@@ -596,6 +599,8 @@ def config_faults(v: dict) -> set:
         bad.add("hidden_size")
     if v["hidden_act"] not in HIDDEN_ACTS:
         bad.add("hidden_act")
+    if v["position_encoding"] in CAUSAL_ONLY and v["is_decoder"] is not True:
+        bad.add("is_decoder")
     for name in BOOLS:
         if not isinstance(v[name], bool):
             bad.add(name)
@@ -637,10 +642,10 @@ def config_faults(v: dict) -> set:
 RELATED = {
     "hidden_size": {"num_attention_heads", "position_encoding"},
     "num_attention_heads": {"hidden_size"},
-    "position_encoding": {"hidden_size", "mem_len"},
+    "position_encoding": {"hidden_size", "mem_len", "is_decoder"},
     "relative_attention_num_buckets": {"is_decoder", "relative_attention_max_distance"},
     "relative_attention_max_distance": {"relative_attention_num_buckets", "is_decoder"},
-    "is_decoder": {"relative_attention_num_buckets", "relative_attention_max_distance"},
+    "is_decoder": {"relative_attention_num_buckets", "relative_attention_max_distance", "position_encoding"},
     "mem_len": {"position_encoding"},
     "vocab_size": {"pad_token_id", "bos_token_id", "eos_token_id"},
     "pad_token_id": {"vocab_size"},
@@ -694,7 +699,7 @@ def test_fuzz_config(data):
 def model_configs(draw):
     # Transformer-XL is drawn more often: its memory adds a path (mems) the other schemes do not have.
     scheme = draw(st.sampled_from(POSITION_ENCODINGS + ("transformer_xl",) * 3))
-    is_decoder = draw(st.booleans())
+    is_decoder = True if scheme in CAUSAL_ONLY else draw(st.booleans())
     heads = draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([2, 4]))
     kw = dict(
@@ -725,6 +730,10 @@ def model_configs(draw):
         kw.update(log_decay_scale=draw(st.sampled_from([0.1, 1.0, 3.0])))
     elif scheme == "rope":
         kw.update(rope_theta=draw(st.sampled_from([10.0, 10000.0])))
+    elif scheme == "fire":
+        kw.update(fire_mlp_width=draw(st.sampled_from([1, 4])), fire_threshold=draw(st.sampled_from([2.0, 512.0])))
+    elif scheme in ("kerple_log", "nope"):
+        pass
     else:
         kw.update(max_position_embeddings=draw(st.integers(4, 24)))
     return kw

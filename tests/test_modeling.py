@@ -26,6 +26,7 @@ from hf_relpos import (
     RelPosModel,
 )
 from hf_relpos import modeling_relpos
+from hf_relpos.configuration_relpos import CAUSAL_ONLY
 
 ENCODINGS = tuple(POSITION_ENCODINGS)
 RELATIVE = ("t5_bias", "shaw", "transformer_xl", "log_decay", "alibi")
@@ -63,6 +64,8 @@ def tiny_config(position_encoding: str, **overrides) -> RelPosConfig:
 
 
 def build(position_encoding: str, cls=RelPosForCausalLM, impl: str = "eager", seed: int = 0, **overrides):
+    if position_encoding in CAUSAL_ONLY and overrides.get("is_decoder", True) is False:
+        pytest.skip(f"{position_encoding} is defined for causal attention only (its config refuses is_decoder=False)")
     config = tiny_config(position_encoding, **overrides)
     torch.manual_seed(seed)
     model = cls(config)
@@ -144,7 +147,11 @@ def greedy(model, ids, new, **kwargs):
 
 # (overrides, field named in the message, value named in the message)
 BAD_CONFIGS = [
-    ({"position_encoding": "nope"}, "position_encoding", "nope"),
+    ({"position_encoding": "nopes"}, "position_encoding", "nopes"),
+    ({"position_encoding": "nope", "is_decoder": False}, "is_decoder", "False"),  # causal only
+    ({"position_encoding": "fire", "is_decoder": False}, "is_decoder", "False"),
+    ({"fire_mlp_width": 0}, "fire_mlp_width", "0"),
+    ({"fire_threshold": 0.0}, "fire_threshold", "0.0"),
     ({"position_encoding": "T5_BIAS"}, "position_encoding", "T5_BIAS"),
     ({"vocab_size": 0}, "vocab_size", "0"),
     ({"vocab_size": -5}, "vocab_size", "-5"),
@@ -231,6 +238,8 @@ NON_DEFAULT_FIELDS = dict(
     mem_len=7,
     clamp_len=11,
     log_decay_scale=0.75,
+    fire_mlp_width=12,
+    fire_threshold=64.0,
     rope_theta=500.0,
     is_decoder=True,
     hidden_dropout=0.125,
@@ -389,6 +398,18 @@ def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor,
         elif pe == "alibi":
             slopes = hf_relpos.functional.alibi_slopes(H, dtype=dd)
             scores = scores - slopes[:, None, None] * dist.abs().to(dd)
+        elif pe == "kerple_log":  # -r1_h ln(1 + r2_h |i - j|), r1, r2 kept >= 0.01 as KERPLE's code does
+            r1 = body.position.r1.to(dd).clamp_min(0.01)[:, None, None]
+            r2 = body.position.r2.to(dd).clamp_min(0.01)[:, None, None]
+            scores = scores - r1 * torch.log(1 + r2 * dist.abs().to(dd))
+        elif pe == "fire":  # f(psi(i - j) / psi(max(L, i))), psi(x) = ln(1 + |c x|), f a ReLU MLP per head
+            fire = body.position
+            c = fire.c.to(dd)
+            threshold = (fire.threshold_scale.to(dd) * config.fire_threshold).abs()
+            psi = lambda x: torch.log(1 + (c * x).abs())  # noqa: E731
+            x = psi(-dist.to(dd)) / (psi(torch.maximum(i.to(dd), threshold)) + 1e-6)  # [L, L]
+            hidden = torch.relu(x[..., None] * fire.mlp[0].weight.to(dd)[:, 0] + fire.mlp[0].bias.to(dd))
+            scores = scores + (hidden @ fire.mlp[2].weight.to(dd).T + fire.mlp[2].bias.to(dd)).permute(2, 0, 1)
         elif pe == "shaw":
             kmax = config.max_relative_position
             index = dist.clamp(-kmax, kmax) + kmax
@@ -421,6 +442,8 @@ def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor,
 @pytest.mark.parametrize("position_encoding", ENCODINGS)
 def test_matches_reference_forward(position_encoding, causal, impl):
     overrides = {"clamp_len": 4} if position_encoding == "transformer_xl" and causal else {}
+    if position_encoding == "fire":
+        overrides = {"fire_threshold": 4.0}  # rows past the threshold: FIRE's progressive normalisation
     model = build(position_encoding, cls=RelPosModel, impl=impl, is_decoder=causal, **overrides)
     B, L = 2, 11
     ids = rand_ids(B, L, seed=31)

@@ -1,6 +1,9 @@
 """The tiny random model configuration shared by the integration and reliability tests."""
 
+import pytest
+
 from hf_relpos import RelPosConfig
+from hf_relpos.configuration_relpos import CAUSAL_ONLY
 
 
 def tiny_config(position_encoding: str, *, vocab_size: int, **overrides) -> RelPosConfig:
@@ -19,4 +22,6 @@ def tiny_config(position_encoding: str, *, vocab_size: int, **overrides) -> RelP
         initializer_range=0.3,
     )
     kwargs.update(overrides)
+    if position_encoding in CAUSAL_ONLY and kwargs.get("is_decoder", True) is False:
+        pytest.skip(f"{position_encoding} is defined for causal attention only (its config refuses is_decoder=False)")
     return RelPosConfig(**kwargs)
