@@ -390,7 +390,9 @@ def _train(args, out: Path, resume_from: Optional[Path]) -> dict:
     tokenizer.save_pretrained(out)
     test = streams["test"]
     max_tokens = args.eval_tokens
-    ppl = evaluate_lengths(model, test, [args.seq_len * f for f in (1, 2, 4)], max_tokens)
+    factors = getattr(args, "eval_factors", (1, 2, 4))
+    stride = args.seq_len if getattr(args, "sliding", False) else None
+    ppl = evaluate_lengths(model, test, [args.seq_len * f for f in factors], max_tokens, stride=stride)
     summary = {
         "command": "hf-relpos " + shlex.join(args.argv),
         "position_encoding": config.position_encoding,
@@ -412,6 +414,7 @@ def _train(args, out: Path, resume_from: Optional[Path]) -> dict:
         "final_train_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
         "test_ppl": ppl[args.seq_len],
         "test_ppl_by_length": {str(n): p for n, p in ppl.items()},
+        "evaluation": f"sliding windows, stride {stride}" if stride else "non-overlapping segments",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -465,6 +468,22 @@ BIBTEX = {
   journal={arXiv preprint arXiv:2104.09864}, year={2021}
 }""",
 }
+BIBTEX["kerple_log"] = """@inproceedings{chi2022kerple,
+  title={{KERPLE}: Kernelized Relative Positional Embedding for Length Extrapolation},
+  author={Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.},
+  booktitle={Advances in Neural Information Processing Systems}, year={2022}
+}"""
+BIBTEX["fire"] = """@inproceedings{li2024fire,
+  title={Functional Interpolation for Relative Positions Improves Long Context Transformers},
+  author={Li, Shanda and You, Chong and Guruganesh, Guru and Ainslie, Joshua and Ontanon, Santiago and Zaheer, Manzil
+          and Sanghai, Sumit and Yang, Yiming and Kumar, Sanjiv and Bhojanapalli, Srinadh},
+  booktitle={International Conference on Learning Representations}, year={2024}
+}"""
+BIBTEX["nope"] = """@inproceedings{kazemnejad2023nope,
+  title={The Impact of Positional Encoding on Length Generalization in Transformers},
+  author={Kazemnejad, Amirhossein and Padhi, Inkit and Natesan Ramamurthy, Karthikeyan and Das, Payel and Reddy, Siva},
+  booktitle={Advances in Neural Information Processing Systems}, year={2023}
+}"""
 BIBTEX["sinusoidal"] = BIBTEX["learned"] = """@inproceedings{vaswani2017attention,
   title={Attention Is All You Need},
   author={Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia},
@@ -604,14 +623,18 @@ def generate(args) -> int:
     return 0
 
 
-def evaluate_lengths(model, stream, lengths, max_tokens=None) -> dict:
-    """Perplexity at each evaluation length (independent segments); inf where the scheme cannot run."""
-    from .memory import segment_perplexity
+def evaluate_lengths(model, stream, lengths, max_tokens=None, stride=None) -> dict:
+    """Perplexity at each evaluation length: independent segments, or sliding windows moving by ``stride``
+    tokens (each scores its last ``stride`` tokens); inf where the scheme cannot run."""
+    from .memory import segment_perplexity, sliding_perplexity
 
     result = {}
     for length in lengths:
         try:
-            result[length] = segment_perplexity(model, stream, length, use_memory=False, max_tokens=max_tokens)
+            if stride is None or stride >= length:
+                result[length] = segment_perplexity(model, stream, length, use_memory=False, max_tokens=max_tokens)
+            else:
+                result[length] = sliding_perplexity(model, stream, length, stride, max_tokens=max_tokens)
         except ValueError as error:
             if "max_position_embeddings" not in str(error):
                 raise
@@ -718,6 +741,7 @@ def compare(args) -> int:
     """
     from tqdm.auto import tqdm
 
+    started = time.perf_counter()
     if args.quick:
         args.steps, args.seq_len = min(args.steps, 60), min(args.seq_len, 64)
         args.eval_tokens = min(args.eval_tokens or 4096, 4096)
@@ -732,34 +756,40 @@ def compare(args) -> int:
             "(trained models are kept unless retrained) or --resume to continue an interrupted comparison"
         )
     schemes = args.schemes or list(hf_schemes())
-    factors = (1, 2, 4)
+    factors = tuple(sorted(set(args.factors) | {1}))  # L itself always: the training length's perplexity
+    seeds = [args.seed + k for k in range(args.seeds)]
     rows = []
-    for scheme in tqdm(schemes, desc="schemes", disable=args.quiet):
-        folder = out / "models" / scheme
+    runs = [(scheme, seed) for scheme in schemes for seed in seeds]
+    summaries = {}
+    for scheme, seed in tqdm(runs, desc="schemes x seeds", disable=args.quiet):
+        folder = out / "models" / scheme / f"seed-{seed}"
         done = (folder / RUN_FILE).is_file() and args.resume
         if not done:
             resume = True if args.resume and _last_checkpoint(_checkpoints_dir(folder)) is not None else None
             run_args = argparse.Namespace(**{
                 **vars(args), "position_encoding": scheme, "output_dir": str(folder), "quiet": True,
-                "resume": resume, "overwrite": args.overwrite,
+                "resume": resume, "overwrite": args.overwrite, "seed": seed, "eval_factors": factors,
                 "mem_len": args.mem_len if scheme == "transformer_xl" else None,
             })
             try:
                 train(run_args)
             except Interrupted as stop:
-                raise Interrupted(f"comparison interrupted while training {scheme}: {stop}",
+                raise Interrupted(f"comparison interrupted while training {scheme} (seed {seed}): {stop}",
                                   _resume_command(args.argv)) from None
-        summary = json.loads((folder / RUN_FILE).read_text())
-        rows.append(_compare_row(scheme, summary, args, factors))
-        if not args.quiet:
-            tqdm.write(f"{scheme:>15}: " + "  ".join(f"{f}x {_ppl(rows[-1][f'ppl_{f}x'])}" for f in factors))
+        summaries.setdefault(scheme, []).append(json.loads((folder / RUN_FILE).read_text()))
+        if len(summaries[scheme]) == len(seeds):
+            rows.append(_compare_row(scheme, summaries[scheme], args, factors))
+            if not args.quiet:
+                tqdm.write(f"{scheme:>15}: " + "  ".join(f"{f}x {_mean_cell(rows[-1], f'ppl_{f}x')}" for f in factors))
     meta = {
         "command": "hf-relpos " + shlex.join(args.argv),
         "quick": bool(args.quick),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "seq_len": args.seq_len, "steps": args.steps, "preset": args.preset, "batch_size": args.batch_size,
-        "seed": args.seed, "eval_tokens": args.eval_tokens,
+        "learning_rate": args.learning_rate, "seeds": seeds, "factors": list(factors), "eval_tokens": args.eval_tokens,
+        "evaluation": f"sliding windows, stride {args.seq_len}" if args.sliding else "non-overlapping segments",
+        "seconds": round(time.perf_counter() - started, 1),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -778,37 +808,61 @@ def hf_schemes():
     return POSITION_ENCODINGS
 
 
-def _compare_row(scheme: str, summary: dict, args, factors) -> dict:
-    """The row of one trained scheme: perplexity at each length from its training record (same test tokens)."""
-    by_length = {int(n): p for n, p in summary["test_ppl_by_length"].items()}
-    row = {"scheme": scheme, "position_params": summary["position_parameters"],
-           **{f"ppl_{f}x": by_length[args.seq_len * f] for f in factors}}
-    if "test_ppl_with_memory" in summary:
-        row["ppl_1x_with_memory"] = summary["test_ppl_with_memory"]
+def _mean_std(values: list) -> tuple:
+    """Mean and sample standard deviation (0 for one value); inf when a seed cannot run at that length."""
+    if any(math.isinf(v) for v in values):
+        return math.inf, math.nan
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, std
+
+
+def _compare_row(scheme: str, summaries: list, args, factors) -> dict:
+    """One scheme's row: at each length the mean, standard deviation and per-seed perplexities from its
+    seeds' training records (all on the same test tokens)."""
+    row = {"scheme": scheme, "position_params": summaries[0]["position_parameters"],
+           "seeds": [s["seed"] for s in summaries]}
+    for f in factors:
+        values = [{int(n): p for n, p in s["test_ppl_by_length"].items()}[args.seq_len * f] for s in summaries]
+        row[f"ppl_{f}x"], row[f"ppl_{f}x_std"] = _mean_std(values)
+        row[f"ppl_{f}x_seeds"] = values
+    if all("test_ppl_with_memory" in s for s in summaries):
+        row["ppl_1x_with_memory"], row["ppl_1x_with_memory_std"] = _mean_std([s["test_ppl_with_memory"] for s in summaries])
     return row
 
 
+def _mean_cell(row: dict, key: str) -> str:
+    value, std = row[key], row.get(f"{key}_std")
+    if math.isinf(value) or std is None or math.isnan(std):
+        return _ppl(value)
+    return f"{value:.2f} ± {std:.2f}"
+
+
 def render_table(rows, seq_len, meta) -> str:
+    factors = meta.get("factors", [1, 2, 4])
+    seeds = meta.get("seeds", [meta.get("seed", 0)])
     lines = []
     if meta.get("quick"):
         lines += [f"**Quick run** ({meta['steps']} steps, L={seq_len}): a smoke test, not comparable with full runs.", ""]
     lines += [
-        f"Perplexity on held-out text, trained at L={seq_len}, evaluated on non-overlapping segments of L, 2L, 4L.",
+        f"Perplexity on held-out text (mean ± standard deviation over {len(seeds)} seed{'s' * (len(seeds) > 1)}), "
+        f"trained at L={seq_len}, evaluated at " + ", ".join(f"{f}L" for f in factors)
+        + f" ({meta.get('evaluation', 'non-overlapping segments')}).",
         "",
-        "| scheme | position params | train PPL (L) | 2x PPL | 4x PPL |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| scheme | position params | " + " | ".join("train PPL (L)" if f == 1 else f"{f}x PPL" for f in factors) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in factors) + " |",
     ]
     for row in rows:
-        lines.append(
-            f"| {row['scheme']} | {row['position_params']:,} | {_ppl(row['ppl_1x'])} | {_ppl(row['ppl_2x'])} | "
-            f"{_ppl(row['ppl_4x'])} |"
-        )
+        lines.append(f"| {row['scheme']} | {row['position_params']:,} | "
+                     + " | ".join(_mean_cell(row, f"ppl_{f}x") for f in factors) + " |")
     memory = [r for r in rows if "ppl_1x_with_memory" in r]
     if memory:
-        lines += ["", "Transformer-XL with its segment memory at L: "
-                  + ", ".join(f"{r['ppl_1x_with_memory']:.2f}" for r in memory)]
+        lines += ["", "Transformer-XL with its segment memory at L: " + ", ".join(_mean_cell(r, "ppl_1x_with_memory")
+                                                                                for r in memory)]
     lines += ["", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; "
-              f"preset {meta['preset']}, {meta['steps']} steps × batch {meta['batch_size']}, seed {meta['seed']}."]
+              f"preset {meta['preset']}, {meta['steps']} steps × batch {meta['batch_size']}, learning rate "
+              f"{meta.get('learning_rate')}, seeds {', '.join(map(str, seeds))}"
+              + (f"; {meta['seconds'] / 60:.1f} minutes in all." if "seconds" in meta else ".")]
     return "\n".join(lines) + "\n"
 
 
@@ -825,8 +879,11 @@ def plot(rows, seq_len, factors, path, quick: bool = False) -> None:
     marked = False
     for row in rows:
         values = [row[f"ppl_{f}x"] for f in factors]
-        finite = [(n, v) for n, v in zip(lengths, values) if math.isfinite(v)]
-        line = ax.plot(*zip(*finite), marker="o", label=row["scheme"])[0] if finite else None
+        finite = [(n, v, row.get(f"ppl_{f}x_std", 0.0)) for n, f, v in zip(lengths, factors, values) if math.isfinite(v)]
+        line = None
+        if finite:  # error bars: one standard deviation over the seeds
+            n, v, std = zip(*finite)
+            line = ax.errorbar(n, v, yerr=std, marker="o", capsize=3, label=row["scheme"]).lines[0]
         for n, v in zip(lengths, values):
             if not math.isfinite(v):
                 color = line.get_color() if line is not None else None

@@ -208,4 +208,44 @@ def segment_perplexity(
     return math.exp(total_nll / count)
 
 
-__all__ = ["OrderedSegments", "MemoryTrainer", "segment_perplexity", "mems_file"]
+@torch.no_grad()
+def sliding_perplexity(
+    model,
+    token_ids: Sequence[int] | torch.Tensor,
+    window: int,
+    stride: int,
+    *,
+    max_tokens: Optional[int] = None,
+) -> float:
+    """Perplexity with a sliding window (Press et al. 2022's sliding evaluation, with a stride).
+
+    Windows of ``window`` tokens start every ``stride`` tokens; each scores only the tokens the previous
+    window did not, so that every token after the first is predicted exactly once, with at least
+    ``window - stride`` tokens of context (all it has, near the start).
+    """
+    for name, value in (("window", window), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if stride > window:
+        raise ValueError(f"stride must be <= window={window}, got {stride}")
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    if max_tokens is not None:
+        ids = ids[: max_tokens + 1]
+    if ids.numel() < 2:
+        raise ValueError(f"token_ids must hold at least 2 tokens, got {ids.numel()}")
+    device = next(model.parameters()).device
+    model.eval()
+    total_nll, count, scored = 0.0, 0, 0  # scored: targets ids[1 .. scored] are done
+    while scored < ids.numel() - 1:
+        end = min(scored + stride, ids.numel() - 1) if scored else min(window, ids.numel() - 1)
+        start = max(0, end - window)
+        inputs, targets = ids[start:end].to(device), ids[start + 1 : end + 1].to(device)
+        logits = model(input_ids=inputs[None], use_cache=False).logits[0].float()
+        new = end - scored  # the last `new` positions predict tokens not scored before
+        total_nll += torch.nn.functional.cross_entropy(logits[-new:], targets[-new:], reduction="sum").item()
+        count += new
+        scored = end
+    return math.exp(total_nll / count)
+
+
+__all__ = ["OrderedSegments", "MemoryTrainer", "segment_perplexity", "sliding_perplexity", "mems_file"]

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -373,10 +374,10 @@ def test_validate_t5_detects_broken_buckets(monkeypatch, capsys):
 def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     out = tmp_path / "compare"
     schemes = ["t5_bias", "learned", "alibi"]
-    seq_len, steps = 16, 3
+    seq_len, steps, seeds = 16, 3, 2
     models = out / "models"
     argv = ["compare", "--quick", "--schemes", *schemes, "--output-dir", str(out), "--steps", str(steps),
-            "--seq-len", str(seq_len), "--batch-size", "4", "--vocab-size", "300"]  # fmt: skip
+            "--seq-len", str(seq_len), "--batch-size", "4", "--vocab-size", "300", "--seeds", str(seeds)]  # fmt: skip
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
 
@@ -386,12 +387,13 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     table = (out / "compare.md").read_text()
     assert table in printed
     assert data["meta"]["steps"] == steps and data["meta"]["seq_len"] == seq_len
+    assert data["meta"]["seeds"] == [0, 1] and data["meta"]["factors"] == [1, 2, 4, 8]
     assert data["meta"]["quick"] is True and table.startswith("**Quick run**")  # a quick run says so
 
     lines = table.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| scheme"))
     columns = [c.strip() for c in lines[header].strip("|").split("|")]
-    assert columns[:2] == ["scheme", "position params"], columns
+    assert columns == ["scheme", "position params", "train PPL (L)", "2x PPL", "4x PPL", "8x PPL"], columns
     body = []
     for line in lines[header + 2 :]:
         if not line.startswith("|"):
@@ -400,26 +402,62 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     assert [row[0] for row in body] == schemes
     assert [row["scheme"] for row in data["rows"]] == schemes
 
-    def cell(value):
-        return "∞ (cannot run: past the position table)" if math.isinf(value) else f"{value:.2f}"
+    def cell(row, key):
+        if math.isinf(row[key]):
+            return "∞ (cannot run: past the position table)"
+        return f"{row[key]:.2f} ± {row[key + '_std']:.2f}"
 
     for cells, row in zip(body, data["rows"]):
-        assert cells == [row["scheme"], f"{row['position_params']:,}", cell(row["ppl_1x"]), cell(row["ppl_2x"]),
-                         cell(row["ppl_4x"])]  # fmt: skip
-        # the L column is the held-out perplexity train measured on the same tokens
-        run = read_run(models / row["scheme"])
-        assert run["position_parameters"] == row["position_params"]
-        assert row["ppl_1x"] == pytest.approx(run["test_ppl"], rel=1e-9)
+        assert cells == [row["scheme"], f"{row['position_params']:,}"] + [cell(row, f"ppl_{f}x") for f in (1, 2, 4, 8)]
+        # each length's mean and standard deviation are those of the seeds' own training records
+        runs = [read_run(models / row["scheme"] / f"seed-{seed}") for seed in (0, 1)]
+        assert [run["seed"] for run in runs] == [0, 1]
+        for f in (1, 2, 4, 8):
+            values = [run["test_ppl_by_length"][str(f * seq_len)] for run in runs]
+            assert row[f"ppl_{f}x_seeds"] == values
+            if not any(math.isinf(v) for v in values):
+                assert row[f"ppl_{f}x"] == pytest.approx(statistics.mean(values), rel=1e-12)
+                assert row[f"ppl_{f}x_std"] == pytest.approx(statistics.stdev(values), rel=1e-9)
+        assert runs[0]["test_ppl"] != runs[1]["test_ppl"]  # the seeds differ
+        assert runs[0]["position_parameters"] == row["position_params"]
         assert math.isfinite(row["ppl_1x"])
 
     by_scheme = {cells[0]: cells for cells in body}
-    assert "∞" in by_scheme["learned"][3] and "∞" in by_scheme["learned"][4]
+    assert all("∞" in c for c in by_scheme["learned"][3:])
     for scheme in ("t5_bias", "alibi"):
         assert "∞" not in "".join(by_scheme[scheme]), by_scheme[scheme]
     rows = {row["scheme"]: row for row in data["rows"]}
-    assert math.isinf(rows["learned"]["ppl_2x"]) and math.isinf(rows["learned"]["ppl_4x"])
+    assert all(math.isinf(rows["learned"][f"ppl_{f}x"]) for f in (2, 4, 8))
     assert rows["alibi"]["position_params"] == 0  # parameter-free
     assert rows["learned"]["position_params"] == seq_len * cli.PRESETS["tiny"]["hidden_size"]
+
+
+def test_sliding_perplexity_scores_every_token_once_with_its_window():
+    """Sliding evaluation against a direct loop: token t is predicted from the window that first covers it."""
+    from hf_relpos.memory import sliding_perplexity
+
+    class Unigram(torch.nn.Module):  # logits depend on the context length seen: shows which window scored
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, use_cache=False):
+            n = input_ids.shape[1]
+            logits = torch.arange(11.0)[None, None].expand(1, n, 11) * torch.arange(1.0, n + 1)[None, :, None] * 0.1
+            return type("Out", (), {"logits": logits})()
+
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7])
+    window, stride = 6, 2
+    nll, count = 0.0, 0
+    for t in range(1, len(ids)):  # token t: the first window [s, e) with e >= t, e - s <= window
+        e = min(window, len(ids) - 1) if t <= window else window + ((t - window + stride - 1) // stride) * stride
+        e = min(e, len(ids) - 1)
+        s = max(0, e - window)
+        logits = Unigram()(ids[None, s:e]).logits[0]
+        nll -= torch.log_softmax(logits[t - 1 - s], -1)[ids[t]].item()
+        count += 1
+    expected = math.exp(nll / count)
+    assert sliding_perplexity(Unigram(), ids, window, stride) == pytest.approx(expected, rel=1e-6)  # float32 sums
 
 
 def test_compare_quick_caps_but_keeps_smaller_user_settings(monkeypatch, tmp_path):
