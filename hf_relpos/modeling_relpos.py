@@ -236,6 +236,9 @@ class PositionScheme(nn.Module):
     ``layer_module`` and live in each attention module as ``relative``.
     """
 
+    # The std the token embeddings start with, where the scheme's recipe asks for one (None: initializer_range).
+    token_init_std: Optional[float] = None
+
     def __init__(self, config: RelPosConfig):
         super().__init__()
         if config.position_encoding in CAUSAL_ONLY and not config.is_decoder:  # is_decoder set after construction
@@ -348,6 +351,8 @@ class T5BiasScheme(AdditiveBiasScheme):
         self.bidirectional = not config.is_decoder
         self.max_distance = config.relative_attention_max_distance
         self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+        # Upstream T5's initialisation of the table (T5PreTrainedModel._init_weights, factor 1), not initializer_range.
+        self.relative_attention_bias.init_std = config.hidden_size**-0.5
 
     def bias(self, ctx, device, dtype):
         return t5_position_bias(
@@ -491,14 +496,16 @@ class SinusoidalScheme(AbsoluteScheme):
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.hidden_size = config.hidden_size
-        self.scale = config.initializer_range
+        # The paper's (tensor2tensor's) token embeddings start at std d_model**-0.5: times sqrt(d_model),
+        # unit-size vectors beside unit-amplitude sinusoids.
+        self.token_init_std = config.hidden_size**-0.5
 
     def embed(self, inputs_embeds, ctx):
+        """Vaswani et al. 2017, sec. 3.4: the token embeddings are multiplied by ``sqrt(d_model)`` before the
+        unit-amplitude sinusoids are added, so that neither drowns the other as training moves them."""
         positions = ctx.position_ids.flatten().float()
         table = sinusoidal_embedding(positions, self.hidden_size).view(*ctx.position_ids.shape, -1)
-        # Unit-size sinusoids (half of them ~cos(0) = 1) would drown token embeddings initialised at
-        # std initializer_range; at the same scale as the tokens, as a learned table starts, they do not.
-        return inputs_embeds + (table * self.scale).to(inputs_embeds.dtype)
+        return inputs_embeds * math.sqrt(self.hidden_size) + table.to(inputs_embeds.dtype)
 
 
 class LearnedScheme(AbsoluteScheme):
@@ -507,6 +514,8 @@ class LearnedScheme(AbsoluteScheme):
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        # GPT-2's recipe: the position table starts at half the token embeddings' std (0.01 beside 0.02).
+        self.position_embeddings.init_std = config.initializer_range / 2
 
     def embed(self, inputs_embeds, ctx):
         return inputs_embeds + self.position_embeddings(ctx.position_ids).to(inputs_embeds.dtype)
@@ -816,7 +825,7 @@ class RelPosPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))
         elif isinstance(module, RelPosRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, ShawRelative):
@@ -863,6 +872,8 @@ class RelPosModel(RelPosPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.position = POSITION_SCHEMES[config.position_encoding](config)
+        if self.position.token_init_std is not None:
+            self.embed_tokens.init_std = self.position.token_init_std
         self.layers = nn.ModuleList(RelPosDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)

@@ -367,8 +367,9 @@ def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor,
     body = model
     h = body.embed_tokens.weight.to(dd)[ids]
     if pe == "sinusoidal":
-        # fixed sinusoids at the token embeddings' scale (initializer_range), as a learned table starts
-        h = h + config.initializer_range * hf_relpos.functional.sinusoidal_embedding(torch.arange(L, dtype=dd), config.hidden_size)
+        # Vaswani et al.: token embeddings times sqrt(d_model), plus the unit-amplitude sinusoids
+        h = h * math.sqrt(config.hidden_size) + hf_relpos.functional.sinusoidal_embedding(
+            torch.arange(L, dtype=dd), config.hidden_size)
     elif pe == "learned":
         h = h + body.position.position_embeddings.weight.to(dd)[:L]
     for layer in body.layers:
@@ -1288,3 +1289,21 @@ def test_transformer_xl_projection_cache_follows_optimizer_steps(fused):
     fresh.config._attn_implementation = model.config._attn_implementation
     with torch.no_grad():
         torch.testing.assert_close(cached, fresh(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("position_encoding,tensor,expected", [
+    # upstream T5 (factor 1): the bucket table at d_model**-0.5, not initializer_range
+    ("t5_bias", lambda m: m.model.position.relative_attention_bias.weight, 64**-0.5),
+    # Vaswani et al. (tensor2tensor): token embeddings at d_model**-0.5, multiplied by sqrt(d_model) in embed()
+    ("sinusoidal", lambda m: m.model.embed_tokens.weight, 64**-0.5),
+    # GPT-2: the position table at half the token embeddings' std
+    ("learned", lambda m: m.model.position.position_embeddings.weight, 0.01),
+    ("rope", lambda m: m.model.embed_tokens.weight, 0.02),  # no recipe of its own: initializer_range
+], ids=["t5_bias", "sinusoidal", "learned", "rope"])
+def test_each_scheme_starts_from_its_papers_initialisation(position_encoding, tensor, expected):
+    """Each baseline's recipe (issue 14's 1x gap): a table initialised far from its paper's scale trains
+    slower than the others within the comparison's budget."""
+    model = build(position_encoding, hidden_size=64, relative_attention_num_buckets=256,
+                  relative_attention_max_distance=512, max_position_embeddings=256, initializer_range=0.02)
+    std = tensor(model).std().item()
+    assert abs(std - expected) < 0.15 * expected, (std, expected)
