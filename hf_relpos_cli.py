@@ -8,6 +8,12 @@ answer at once. The commands themselves run in :mod:`hf_relpos.cli`, imported af
 Exit status: 0 on success; 2 for a user error, printed as one line
 ``hf-relpos <command>: error: <what was given, what is allowed>`` (a traceback only with ``--debug``
 or ``HF_RELPOS_DEBUG=1``); 130 after Ctrl-C; an unexpected exception prints its traceback (1).
+
+Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``compare``, ``inspect``. Without ``make``::
+
+    hf-relpos train --position-encoding alibi --output-dir runs/alibi --steps 300
+    hf-relpos inspect runs/alibi --prompt "The for statement"   # runs/alibi/inspect/*.png
+    python -m hf_relpos.cli inspect runs/alibi --overwrite         # the same, without the console script
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ PRESETS = {
     "tiny": dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, intermediate_size=512),
     "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
 }
+INSPECT_PROMPT = "The for statement is used to iterate over the elements of a sequence."
 MIN_VOCAB = 259  # the byte-level BPE's 256 byte tokens and its 3 special tokens (hf_relpos.data.SPECIAL_TOKENS)
 
 
@@ -114,7 +121,7 @@ def parser() -> argparse.ArgumentParser:
 
     root = _Parser(
         prog="hf-relpos", formatter_class=_Formatter,
-        description="Train, generate, evaluate and compare relative-position attention models.",
+        description="Train, generate, evaluate, compare and inspect relative-position attention models.",
     )
     root.add_argument("--version", action="version", version=f"hf-relpos {_version()}")
     sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -157,6 +164,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sliding", action="store_true",
                    help="evaluate with sliding windows moving by L tokens (default: non-overlapping segments)")
     _add_training_arguments(p, steps=500, seq_len=128)
+
+    p = command("inspect", "figures of what a trained folder learned about position (PNG)")
+    p.add_argument("folder", help="a folder written by `hf-relpos train`")
+    p.add_argument("--prompt", default=INSPECT_PROMPT, help="the text whose attention maps are drawn")
+    p.add_argument("--output-dir", default=None, help="where the PNGs go (default: FOLDER/inspect)")
+    p.add_argument("--distance", type=positive_int, default=None,
+                   help="largest distance in position.png (default: twice the training length)")
+    p.add_argument("--overwrite", action="store_true", help="replace figures already in --output-dir")
     return root
 
 

@@ -1,4 +1,4 @@
-"""``hf-relpos`` commands: train, generate, eval, validate-t5 and compare.
+"""``hf-relpos`` commands: train, generate, eval, validate-t5, compare and inspect.
 
 Thin: each command checks what it was given (a :class:`UserError` names the flag, what was given and
 what is allowed), calls the library and prints. The heavy lifting is Transformers' ``Trainer`` and
@@ -26,6 +26,7 @@ from typing import Optional
 from hf_relpos_cli import PRESETS, Interrupted, UserError, main  # noqa: F401  (main: `python -m hf_relpos.cli`)
 
 RUN_FILE = "hf_relpos_run.json"  # what train did, read back by eval and by the model card
+INSPECT_DIR = "inspect"  # where `inspect` writes its figures by default, inside the model folder
 # In each checkpoint: training seconds so far (a resumed run counts all of it) and the options that shape the
 # model and its data (a resume with other ones would not continue this run).
 TIME_FILE = "hf_relpos_time.json"
@@ -37,6 +38,7 @@ MODEL_FILE = re.compile(
     r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|chat_template)\.json"
     r"|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|[a-z_]+\.py|README\.md|chat_template\.jinja"
     + "|" + re.escape(RUN_FILE)
+    + "|" + re.escape(INSPECT_DIR)  # inspect's figures: the folder stays one train --overwrite / --resume accepts
 )
 
 
@@ -928,6 +930,88 @@ class library_output_off:
         return False
 
 
+# ----------------------------------------------------------------------------------------------
+# inspect
+# ----------------------------------------------------------------------------------------------
+
+
+def inspect_model(args) -> int:
+    """Figures of what a trained folder learned about position: ``position.png`` (the position term per head
+    over distances 0 .. N; not for schemes without a term in attention) and ``attention-layer{L}.png`` (every
+    head's attention probabilities for ``--prompt``), into ``--output-dir`` (default ``FOLDER/inspect``).
+    Existing figures there are replaced only with ``--overwrite``."""
+    import torch
+
+    from .inspection import (
+        NO_POSITION_TERM, has_position_term, plot_attention, plot_position, position_curves, run_prompt, token_labels,
+    )
+
+    if not args.prompt.strip():
+        raise UserError(f"--prompt is empty (got {args.prompt!r}): give some text whose attention to show")
+    folder = Path(args.folder)
+    model, tokenizer = load_folder(args.folder)
+    config = model.config
+    scheme = config.position_encoding
+    run_file = folder / RUN_FILE
+    try:
+        run = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    except ValueError:
+        run = {}  # unreadable: no default distance, no training-length mark
+    train_length = run.get("seq_len") if isinstance(run, dict) else None
+    with_position = has_position_term(model)
+    distance = args.distance
+    if distance is None and with_position:
+        if not train_length:
+            raise UserError(
+                f"--distance is needed: {run_file} (the training record, whose seq_len sets the default) is "
+                "missing or unreadable; pass --distance N (a positive int)"
+            )
+        distance = 2 * train_length
+
+    out = Path(args.output_dir) if args.output_dir else folder / INSPECT_DIR
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
+    names = (["position.png"] if with_position else []) + [
+        f"attention-layer{layer}.png" for layer in range(config.num_hidden_layers)
+    ]
+    existing = [name for name in names if (out / name).exists()]
+    if existing and not args.overwrite:
+        shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+        raise UserError(
+            f"--output-dir {str(out)!r} already holds {shown}: pass --overwrite to replace them, or give another "
+            "--output-dir"
+        )
+
+    input_ids = tokenizer(args.prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    table = _position_table(config)
+    if table is not None and input_ids.numel() > table:
+        raise UserError(
+            f"--prompt is {input_ids.numel()} tokens, and the {scheme} position table holds {table}: give a "
+            "shorter prompt"
+        )
+    with torch.no_grad():
+        prompt_run = run_prompt(model, input_ids)
+        curves = position_curves(model, distance, prompt_run.queries) if with_position else None
+    labels = token_labels(tokenizer, prompt_run.input_ids)
+
+    with _RemoveIfEmptyOnFailure(out):
+        out.mkdir(parents=True, exist_ok=True)
+        if curves is not None:
+            plot_position(curves, out / "position.png", train_length=train_length)
+        for layer, weights in enumerate(prompt_run.attentions):
+            plot_attention(weights, out / f"attention-layer{layer}.png", scheme=scheme, layer=layer, labels=labels)
+    layers = config.num_hidden_layers
+    maps = "attention-layer0.png" if layers == 1 else f"attention-layer{{0..{layers - 1}}}.png"
+    if curves is not None:
+        per = "per layer, " if curves.per_layer else ""
+        print(f"{scheme}: wrote {out}/position.png (the position term per head, {per}distances 0..{distance}) and "
+              f"{maps} (prompt: {len(labels)} tokens)")
+    else:
+        print(f"{scheme}: {NO_POSITION_TERM.get(scheme, 'no position term in attention')}; attention maps only: "
+              f"wrote {out}/{maps} (prompt: {len(labels)} tokens)")
+    return 0
+
+
 def train_command(args) -> int:
     try:
         train(args)
@@ -936,7 +1020,10 @@ def train_command(args) -> int:
     return 0
 
 
-COMMANDS = {"train": train_command, "generate": generate, "eval": evaluate, "validate-t5": validate_t5, "compare": compare}
+COMMANDS = {
+    "train": train_command, "generate": generate, "eval": evaluate, "validate-t5": validate_t5, "compare": compare,
+    "inspect": inspect_model,
+}
 
 
 if __name__ == "__main__":
