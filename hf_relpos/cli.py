@@ -739,7 +739,8 @@ def compare(args) -> int:
 
     Writes into a fresh ``runs/compare-<date>-<time>`` unless ``--output-dir`` says where (a folder that
     already holds results needs ``--overwrite``). ``--resume`` continues an interrupted comparison:
-    finished schemes are evaluated again from their folders, the interrupted one resumes from its checkpoint.
+    finished runs (scheme and seed) are read from their training records, which must hold this command's
+    evaluation lengths and kind; the interrupted one resumes from its checkpoint.
     """
     from tqdm.auto import tqdm
 
@@ -766,7 +767,9 @@ def compare(args) -> int:
     for scheme, seed in tqdm(runs, desc="schemes x seeds", disable=args.quiet):
         folder = out / "models" / scheme / f"seed-{seed}"
         done = (folder / RUN_FILE).is_file() and args.resume
-        if not done:
+        if done:
+            _check_resumed_record(folder, args, factors)
+        else:
             resume = True if args.resume and _last_checkpoint(_checkpoints_dir(folder)) is not None else None
             run_args = argparse.Namespace(**{
                 **vars(args), "position_encoding": scheme, "output_dir": str(folder), "quiet": True,
@@ -790,7 +793,7 @@ def compare(args) -> int:
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "seq_len": args.seq_len, "steps": args.steps, "preset": args.preset, "batch_size": args.batch_size,
         "learning_rate": args.learning_rate, "seeds": seeds, "factors": list(factors), "eval_tokens": args.eval_tokens,
-        "evaluation": f"sliding windows, stride {args.seq_len}" if args.sliding else "non-overlapping segments",
+        "evaluation": _evaluation_name(args),
         "seconds": round(time.perf_counter() - started, 1),
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -808,6 +811,23 @@ def hf_schemes():
     from .configuration_relpos import POSITION_ENCODINGS
 
     return POSITION_ENCODINGS
+
+
+def _evaluation_name(args) -> str:
+    return f"sliding windows, stride {args.seq_len}" if args.sliding else "non-overlapping segments"
+
+
+def _check_resumed_record(folder: Path, args, factors) -> None:
+    """A finished run reused by ``--resume`` must have been evaluated as this command asks."""
+    record = json.loads((folder / RUN_FILE).read_text())
+    lengths = sorted(int(n) for n in record["test_ppl_by_length"])
+    evaluation = record.get("evaluation", "non-overlapping segments")
+    wanted = [args.seq_len * f for f in factors]
+    if not set(wanted) <= set(lengths) or evaluation != _evaluation_name(args):
+        raise UserError(
+            f"--resume: {folder} was evaluated at lengths {lengths} ({evaluation}), this command asks for {wanted} "
+            f"({_evaluation_name(args)}): resume with the original --factors and --sliding, or use a new --output-dir"
+        )
 
 
 def _mean_std(values: list) -> tuple:

@@ -1305,11 +1305,15 @@ def fire_bias(
     key_length: int,
     *,
     past_length: int = 0,
+    positions: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """FIRE (Li et al. 2024, its bias with a learned threshold): ``B[h, i, j] = f(ψ(p_i - j) / ψ(max(L, p_i)))_h`` -> ``[1, H, Q, K]``.
+    """FIRE (Li et al. 2024, its bias with a learned threshold): ``B[h, i, j] = f(ψ(i' - j) / ψ(max(L, p_i)))_h``
+    -> ``[B|1, H, Q, K]``.
 
-    ``p_i = past_length + i`` is the query's position; ``ψ(x) = ln(1 + |c·x|)`` the log transform with a
+    ``i' = past_length + i`` is the query's index among the keys (distances are ``i' - j``); ``p_i`` its
+    position in its sequence, ``positions`` ``[B|1, Q]`` (default ``i'``), which differs from ``i'`` when keys
+    were dropped (a sliding window), in packed rows or after left padding; ``ψ(x) = ln(1 + |c·x|)`` the log transform with a
     learned ``c``; ``L = threshold`` the learned length below which the normaliser stays ``ψ(L)``
     (progressive interpolation beyond it); ``f(x) = w2·relu(w1·x + b1) + b2`` the learned MLP, given as an
     ``nn.Linear`` pair's weights: ``w1`` ``[width, 1]``, ``b1`` ``[width]``, ``w2`` ``[H, width]``, ``b2``
@@ -1333,24 +1337,28 @@ def fire_bias(
     device = w1.device
     compute = torch.float64 if w1.dtype == torch.float64 else torch.float32
     c, threshold = c.to(compute), threshold.to(compute)
-    position = (torch.arange(query_length, device=device) + past_length).to(compute)
+    if positions is None:
+        positions = (torch.arange(query_length, device=device) + past_length)[None]
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[1] != query_length:
+        got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"positions must be [batch|1, query_length={query_length}], got {got}")
 
     def psi(x):
         return torch.log1p((c * x).abs())
 
-    normaliser = psi(torch.maximum(position, threshold)) + eps  # [Q]
+    normaliser = psi(torch.maximum(positions.to(compute), threshold)) + eps  # [B|1, Q]
     distance = _relative_distance(query_length, key_length, past_length, device).to(compute)
-    x = psi(distance) / normaliser[:, None]  # [Q, K]: |p_i - j| through ψ's absolute value
+    x = psi(distance) / normaliser[:, :, None]  # [B|1, Q, K]: |i' - j| through ψ's absolute value
     weights = [t.to(compute) for t in (w1, b1, w2, b2)]
     rows = max(1, _FIRE_ELEMENTS // max(1, key_length * width))
     checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights))
     blocks = []
     for start in range(0, query_length, rows):
-        part = x[start : start + rows]
+        part = x[:, start : start + rows]
         if checkpoint:  # keep only x for backward, not the hidden layer
             blocks.append(torch.utils.checkpoint.checkpoint(_fire_mlp, part, *weights, use_reentrant=False))
         else:
             blocks.append(_fire_mlp(part, *weights))
-    bias = torch.cat(blocks) if blocks else x.new_zeros(0, key_length, heads)
-    return bias.permute(2, 0, 1).unsqueeze(0).to(w1.dtype)
+    bias = torch.cat(blocks, dim=1) if blocks else x.new_zeros(x.shape[0], 0, key_length, heads)
+    return bias.permute(0, 3, 1, 2).to(w1.dtype)
 

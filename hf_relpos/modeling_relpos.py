@@ -420,7 +420,7 @@ class AlibiScheme(AdditiveBiasScheme):
 class KerpleLogScheme(AdditiveBiasScheme):
     """Chi et al. 2022 (KERPLE, logarithmic variant): ``-r1_h·ln(1 + r2_h·|i - j|)``, learned ``r1_h, r2_h > 0``."""
 
-    # KERPLE's code keeps r1, r2 positive by clamping them at this floor (no gradient below it).
+    # KERPLE's code keeps r1, r2 positive by clamping them at this floor.
     floor = 1e-2
 
     def __init__(self, config: RelPosConfig):
@@ -429,7 +429,9 @@ class KerpleLogScheme(AdditiveBiasScheme):
         self.r2 = nn.Parameter(torch.ones(config.num_attention_heads))
 
     def bias(self, ctx, device, dtype):
-        r1, r2 = self.r1.clamp_min(self.floor), self.r2.clamp_min(self.floor)
+        # Clamped in value, not in gradient (straight through): a parameter below the floor can still come back,
+        # as with KERPLE's in-place clamp of the data; a plain clamp_min would freeze it there for good.
+        r1, r2 = (r + (r.clamp_min(self.floor) - r).detach() for r in (self.r1, self.r2))
         return kerple_log_bias(r1, r2, ctx.query_length, ctx.key_length, past_length=ctx.past_length)
 
 
@@ -442,6 +444,10 @@ class FireScheme(AdditiveBiasScheme):
         self.mlp = nn.Sequential(
             nn.Linear(1, config.fire_mlp_width), nn.ReLU(), nn.Linear(config.fire_mlp_width, config.num_attention_heads)
         )
+        # PyTorch's default Linear initialisation, as the paper's code: with the model's (zero biases, inputs
+        # >= 0) every unit with a negative input weight would start, and stay, dead under the ReLU.
+        for linear in (self.mlp[0], self.mlp[2]):
+            linear.torch_default_init = True
         self.c = nn.Parameter(torch.tensor(0.1))
         # The threshold L as the paper's code learns it: a multiplier of its initial value.
         self.threshold_scale = nn.Parameter(torch.tensor(1.0))
@@ -449,9 +455,11 @@ class FireScheme(AdditiveBiasScheme):
     def bias(self, ctx, device, dtype):
         first, last = self.mlp[0], self.mlp[2]
         threshold = (self.threshold_scale * self.init_threshold).abs()
+        # The normaliser reads each query's position in its sequence (ctx.position_ids: a sliding window's
+        # dropped keys, left padding and packed documents make it differ from its index among the keys).
         return fire_bias(
             first.weight, first.bias, last.weight, last.bias, self.c, threshold, ctx.query_length, ctx.key_length,
-            past_length=ctx.past_length,
+            past_length=ctx.past_length, positions=ctx.position_ids,
         )
 
 
@@ -820,7 +828,12 @@ class RelPosPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         std = self.config.initializer_range
-        if isinstance(module, (nn.Linear,)):
+        if isinstance(module, nn.Linear) and getattr(module, "torch_default_init", False):
+            init.kaiming_uniform_(module.weight, a=math.sqrt(5))  # nn.Linear.reset_parameters
+            bound = 1 / math.sqrt(module.in_features)
+            if module.bias is not None:
+                init.uniform_(module.bias, -bound, bound)
+        elif isinstance(module, (nn.Linear,)):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 init.zeros_(module.bias)

@@ -203,18 +203,19 @@ def kerple_log_ref(r1, r2, Q, K, *, past_length=0):
     ).reshape(1, len(a), Q, K)
 
 
-def fire_torch_ref(w1, b1, w2, b2, c, threshold, Q, K, *, past_length=0, eps=1e-6):
-    """Li et al. 2024 (FIRE), entry by entry with float64 torch scalars (differentiable):
-    f(psi(|p_i - j|) / (psi(max(L, p_i)) + eps)) with psi(x) = ln(1 + |c x|) and f = w2 relu(w1 x + b1) + b2."""
+def fire_torch_ref(w1, b1, w2, b2, c, threshold, Q, K, *, past_length=0, positions=None, eps=1e-6):
+    """Li et al. 2024 (FIRE), entry by entry with float64 torch scalars (differentiable), one batch row
+    (``positions``: that row's query positions, default past_length + i):
+    f(psi(|past + i - j|) / (psi(max(L, p_i)) + eps)) with psi(x) = ln(1 + |c x|) and f = w2 relu(w1 x + b1) + b2."""
     H, width = w2.shape
     out = torch.zeros(1, H, Q, K, dtype=torch.float64)
     rows = []
     for i in range(Q):
-        p = past_length + i
+        p = past_length + i if positions is None else int(positions[i])
         norm = torch.log(1.0 + (c * torch.maximum(threshold, torch.tensor(float(p), dtype=torch.float64))).abs()) + eps
         row = []
         for j in range(K):
-            x = torch.log(1.0 + (c * float(p - j)).abs()) / norm
+            x = torch.log(1.0 + (c * float(past_length + i - j)).abs()) / norm
             hidden = [torch.relu(w1[u, 0] * x + b1[u]) for u in range(width)]
             row.append(torch.stack([b2[h] + sum(w2[h, u] * hidden[u] for u in range(width)) for h in range(H)]))
         rows.append(torch.stack(row, dim=-1))  # [H, K]

@@ -252,6 +252,22 @@ def test_resume_with_other_options_is_a_user_error(tmp_path, capsys):
     assert code == 0, err
 
 
+def test_compare_resume_with_other_evaluation_is_a_user_error(tmp_path, capsys):
+    """compare --resume reuses finished runs only if they were evaluated as asked: other --factors or --sliding
+    are one line naming them (not a KeyError, nor a table mixing two kinds of evaluation)."""
+    out = tmp_path / "cmp"
+    base = ["compare", "--quick", "--schemes", "alibi", "--seeds", "1", "--steps", "2", "--seq-len", "16",
+            "--batch-size", "2", "--vocab-size", "300", "--eval-tokens", "64", "--output-dir", str(out), "--quiet"]
+    assert run(base + ["--factors", "1", "2"], capsys)[0] == 0
+    table = (out / "compare.md").read_text()
+    for extra in (["--factors", "1", "2", "4"], ["--factors", "1", "2", "--sliding"]):
+        code, _, err = run(base + extra + ["--resume"], capsys)
+        err = one_line_error(code, err, "compare")
+        assert "--factors" in err and "--sliding" in err, err
+        assert (out / "compare.md").read_text() == table  # nothing rewritten
+    assert run(base + ["--factors", "1", "2", "--resume"], capsys)[0] == 0  # the same evaluation resumes
+
+
 @pytest.mark.parametrize("scheme", ["t5_bias", "transformer_xl"])
 def test_ctrl_c_saves_and_resume_reaches_the_same_loss(scheme, tmp_path, monkeypatch, capsys):
     settings = ["--position-encoding", scheme, "--steps", "6", "--seq-len", "16", "--batch-size", "2",

@@ -1243,6 +1243,22 @@ def test_fire_bias_matches_oracle_values_and_gradients(Q, K, past):
         assert_close64(a, b, 1e-10, what=name)
 
 
+def test_fire_bias_reads_each_rows_query_positions():
+    """The normaliser takes the query's position in its sequence (``positions``, one row per batch entry) while
+    the distance stays the index distance: rows with other positions give other biases, each the oracle's."""
+    params = _fire_params(2, 4, 11)
+    positions = torch.tensor([[9, 10, 11], [0, 1, 2], [30, 31, 32]])  # e.g. a sliding window, padding, packing
+    got = F.fire_bias(*params, 3, 8, past_length=5, positions=positions)
+    assert got.shape == (3, 2, 3, 8)
+    for row in range(3):
+        expected = fire_torch_ref(*params, 3, 8, past_length=5, positions=positions[row])
+        assert_close64(got[row : row + 1], expected, 1e-12, what=f"row {row}")
+    assert not torch.allclose(got[0], got[2])  # past the threshold (6) the position matters
+    with pytest.raises(ValueError) as ei:
+        F.fire_bias(*params, 3, 8, positions=torch.zeros(3, 2))
+    assert_names(ei, "positions")
+
+
 def test_fire_bias_blocks_of_rows_give_the_whole(monkeypatch):
     """The MLP runs over blocks of query rows (checkpointed when a gradient is needed): blocks of 2 rows give
     the single-block values and gradients."""

@@ -1307,3 +1307,56 @@ def test_each_scheme_starts_from_its_papers_initialisation(position_encoding, te
                   relative_attention_max_distance=512, max_position_embeddings=256, initializer_range=0.02)
     std = tensor(model).std().item()
     assert abs(std - expected) < 0.15 * expected, (std, expected)
+
+
+def test_fire_normalises_by_the_querys_position_in_its_sequence():
+    """FIRE's normaliser psi(max(L, p_i)) depends on the query's position p_i, not its index among the keys:
+    with a small threshold L, cached decoding through a sliding window, a left-padded row and a packed
+    document each give what the plain sequence gives (a bug fixed here: p_i was the index among the kept keys)."""
+    model = build("fire", fire_threshold=2.0, sliding_window=4, impl="sdpa")
+    with torch.no_grad():
+        for linear in (model.model.position.mlp[0], model.model.position.mlp[2]):
+            linear.weight.mul_(4.0)  # a bias large enough that a wrong normaliser shows
+    ids = rand_ids(1, 12, seed=41)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = DynamicCache(config=model.config)
+        for t in range(12):
+            step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+            assert_close(step[:, 0], full[:, t], atol=1e-4, what=f"sliding-window cached step {t}")
+    plain = build("fire", fire_threshold=2.0, impl="sdpa")
+    plain.load_state_dict(model.state_dict())
+    ids = rand_ids(1, 9, seed=42)
+    with torch.no_grad():
+        alone = plain(ids, use_cache=False).logits
+        padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+        mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # as generate passes them for left padding
+        got = plain(padded, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, 3:]
+        assert_close(got, alone, atol=1e-4, what="left-padded row vs alone")
+        other = rand_ids(1, 5, seed=43)
+        packed = torch.cat([other, ids], dim=1)
+        packed_positions = torch.cat([torch.arange(5), torch.arange(9)])[None]
+        got = plain(packed, position_ids=packed_positions, use_cache=False).logits[:, 5:]
+        assert_close(got, alone, atol=1e-4, what="packed document vs alone")
+
+
+def test_fire_mlp_starts_alive_and_kerple_recovers_below_its_floor():
+    """FIRE's MLP keeps PyTorch's default Linear initialisation (non-zero first-layer biases), so that units with
+    a negative input weight are not dead from the start (the MLP's input is >= 0); KERPLE's r1, r2 are clamped in
+    value but keep a gradient below the floor, so a head initialised there can recover."""
+    fire = build("fire", initializer_range=0.02).model.position
+    first = fire.mlp[0]
+    assert first.bias.abs().min() > 0 and (first.bias > 0).any() and (first.bias < 0).any()
+    assert first.weight.abs().max() <= 1.0 and first.weight.std() > 0.3  # U(-1, 1) for fan_in 1, not N(0, 0.02)
+    x = torch.linspace(0, 1, 50)[:, None]
+    alive = (first(x) > 0).any(dim=0)
+    assert alive.float().mean() > 0.5, f"{int((~alive).sum())} of {alive.numel()} FIRE units dead on [0, 1]"
+
+    model = build("kerple_log")
+    kerple = model.model.position
+    with torch.no_grad():
+        kerple.r1.fill_(0.005)
+        kerple.r2.fill_(0.002)
+    model(rand_ids(1, 6), labels=rand_ids(1, 6)).loss.backward()
+    assert (kerple.r1.grad != 0).all() and (kerple.r2.grad != 0).all()
