@@ -899,13 +899,16 @@ def plot(rows, seq_len, factors, path, quick: bool = False) -> None:
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     lengths = [seq_len * f for f in factors]
     marked = False
-    for row in rows:
+    colors = plt.get_cmap("tab10").colors
+    for index, row in enumerate(rows):
+        # more schemes than colours: the eleventh and later are dashed, so that no two curves look alike
+        style = dict(color=colors[index % len(colors)], linestyle="-" if index < len(colors) else "--")
         values = [row[f"ppl_{f}x"] for f in factors]
         finite = [(n, v, row.get(f"ppl_{f}x_std", 0.0)) for n, f, v in zip(lengths, factors, values) if math.isfinite(v)]
         line = None
         if finite:  # error bars: one standard deviation over the seeds
             n, v, std = zip(*finite)
-            line = ax.errorbar(n, v, yerr=std, marker="o", capsize=3, label=row["scheme"]).lines[0]
+            line = ax.errorbar(n, v, yerr=std, marker="o", capsize=3, label=row["scheme"], **style).lines[0]
         for n, v in zip(lengths, values):
             if not math.isfinite(v):
                 color = line.get_color() if line is not None else None

@@ -26,6 +26,7 @@ matplotlib runs with its Agg backend (files only, no display).
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -233,7 +234,8 @@ def plot_position(curves: PositionCurves, path, *, train_length: Optional[int] =
         ax.grid(True, alpha=0.3)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right center", fontsize=8, ncol=1 if heads <= 16 else 2, frameon=False)
-    fig.suptitle(curves.title + ("\n" + curves.note if curves.note else ""), fontsize=11)
+    note = "\n".join(textwrap.wrap(curves.note, 90))  # a long note would run off the figure's edges
+    fig.suptitle(curves.title + ("\n" + note if note else ""), fontsize=11)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
