@@ -44,7 +44,8 @@ Environment knobs:
   (the tally is always printed at the end of the run).
 - ``RELPOS_KEEP_RUN_DIR=1`` keeps the throw-away folder; ``OMP_NUM_THREADS`` defaults to 1.
 
-A full run (8 schemes x 2 modes, 3,344 tests: 1,984 passed, 1,360 skipped) takes 2-6 minutes with ``-n 2``
+A full run (11 schemes, causal and bidirectional but for the causal-only ``fire`` and ``nope``: 2,578 passed,
+1,672 skipped, 2026-11-23) takes 2-6 minutes with ``-n 2``
 on 2 CPU cores (5.6 measured on a busy machine).
 
 Test-only dependencies the upstream test files need (installed into .venv by ``make upstream-tests``,
