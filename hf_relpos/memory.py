@@ -161,6 +161,16 @@ class MemoryTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
 
+def _evaluated_tokens(token_ids, max_tokens: Optional[int]) -> torch.Tensor:
+    """The token stream as a 1-D long tensor, cut to ``max_tokens`` predicted tokens (plus the first)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    if max_tokens is not None:
+        ids = ids[: max_tokens + 1]
+    if ids.numel() < 2:
+        raise ValueError(f"token_ids must hold at least 2 tokens, got {ids.numel()}")
+    return ids
+
+
 @torch.no_grad()
 def segment_perplexity(
     model,
@@ -180,11 +190,7 @@ def segment_perplexity(
     """
     if isinstance(segment_length, bool) or not isinstance(segment_length, int) or segment_length < 1:
         raise ValueError(f"segment_length must be an int >= 1, got {segment_length!r}")
-    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-    if max_tokens is not None:
-        ids = ids[: max_tokens + 1]
-    if ids.numel() < 2:
-        raise ValueError(f"token_ids must hold at least 2 tokens, got {ids.numel()}")
+    ids = _evaluated_tokens(token_ids, max_tokens)
     device = next(model.parameters()).device
     model.eval()
     carry = use_memory and getattr(model.config, "mem_len", 0) > 0
@@ -228,11 +234,7 @@ def sliding_perplexity(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if stride > window:
         raise ValueError(f"stride must be <= window={window}, got {stride}")
-    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
-    if max_tokens is not None:
-        ids = ids[: max_tokens + 1]
-    if ids.numel() < 2:
-        raise ValueError(f"token_ids must hold at least 2 tokens, got {ids.numel()}")
+    ids = _evaluated_tokens(token_ids, max_tokens)
     device = next(model.parameters()).device
     model.eval()
     total_nll, count, scored = 0.0, 0, 0  # scored: targets ids[1 .. scored] are done
