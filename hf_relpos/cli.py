@@ -416,7 +416,7 @@ def _train(args, out: Path, resume_from: Optional[Path]) -> dict:
         "final_train_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
         "test_ppl": ppl[args.seq_len],
         "test_ppl_by_length": {str(n): p for n, p in ppl.items()},
-        "evaluation": f"sliding windows, stride {stride}" if stride else "non-overlapping segments",
+        "evaluation": _evaluation_name(args),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -814,7 +814,8 @@ def hf_schemes():
 
 
 def _evaluation_name(args) -> str:
-    return f"sliding windows, stride {args.seq_len}" if args.sliding else "non-overlapping segments"
+    """How a run is evaluated (``train`` has no ``--sliding``; ``compare`` passes its own down)."""
+    return f"sliding windows, stride {args.seq_len}" if getattr(args, "sliding", False) else "non-overlapping segments"
 
 
 def _check_resumed_record(folder: Path, args, factors) -> None:

@@ -189,6 +189,12 @@ class PositionContext:
         return isinstance(self.past_length, torch.Tensor)
 
     @property
+    def keys_end_at_query(self) -> bool:
+        """The keys end at the last query (every key slot filled); not so in a StaticCache, whose unfilled
+        slots follow the queries (and a traced offset may leave any number of them)."""
+        return not self.traced_offset and self.key_length == self.past_length + self.query_length
+
+    @property
     def keys_only(self) -> bool:
         """Nothing is masked beyond causality but keys (padding): self-attention of a fresh forward."""
         fresh = not self.traced_offset and self.past_length == 0 and self.key_length == self.query_length
@@ -206,7 +212,7 @@ class PositionContext:
         if self.causal:
             causal = self.causal_mask(device)
             mask = causal if mask is None else mask & causal
-        elif self.traced_offset or self.key_length > self.past_length + self.query_length:
+        elif not self.keys_end_at_query:
             filled = (torch.arange(self.key_length, device=device) < self.past_length + self.query_length)
             mask = filled[None, None, None] if mask is None else mask & filled
         return mask
@@ -259,9 +265,7 @@ class PositionScheme(nn.Module):
     def forward(self, ctx: PositionContext, device, dtype) -> Any:
         # With nothing masked beyond causality, SDPA's own is_causal flag keeps the fused kernel; it
         # aligns the causal pattern top-left, which is right only when queries and keys coincide.
-        # Not so in a StaticCache (its unfilled slots are masked).
-        all_keys_filled = not ctx.traced_offset and ctx.key_length == ctx.past_length + ctx.query_length
-        if ctx.attn_implementation == "sdpa" and ctx.mask is None and all_keys_filled:
+        if ctx.attn_implementation == "sdpa" and ctx.mask is None and ctx.keys_end_at_query:
             if not ctx.causal or ctx.query_length in (1, ctx.key_length):
                 return None
         return ctx.full_mask(device)
@@ -683,8 +687,6 @@ class TransformerXLScheme(PositionScheme):
     def attend(self, attn, query, key, value, term, ctx):
         distances, dtype = term
         r, u, w = attn.relative(distances, dtype)
-        # The kernel's causality assumes the keys end at the last query: a StaticCache's do not.
-        static = ctx.traced_offset or ctx.key_length > ctx.past_length + ctx.query_length
         out = transformer_xl_attention(
             query,
             key,
@@ -692,7 +694,8 @@ class TransformerXLScheme(PositionScheme):
             r,
             u,
             w,
-            attention_mask=ctx.full_mask(query.device) if static else ctx.mask,
+            # The kernel's causality assumes the keys end at the last query: a StaticCache's do not.
+            attention_mask=ctx.mask if ctx.keys_end_at_query else ctx.full_mask(query.device),
             is_causal=ctx.causal,
             dropout_p=attn.attention_dropout if attn.training else 0.0,
             need_weights=ctx.output_attentions,
