@@ -9,7 +9,7 @@ Exit status: 0 on success; 2 for a user error, printed as one line
 ``hf-relpos <command>: error: <what was given, what is allowed>`` (a traceback only with ``--debug``
 or ``HF_RELPOS_DEBUG=1``); 130 after Ctrl-C; an unexpected exception prints its traceback (1).
 
-Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``compare``, ``inspect``. Without ``make``::
+Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``compare``, ``inspect``. Without ``make``::
 
     hf-relpos train --position-encoding alibi --output-dir runs/alibi --steps 300
     hf-relpos inspect runs/alibi --prompt "The for statement"   # runs/alibi/inspect/*.png
@@ -151,7 +151,12 @@ def parser() -> argparse.ArgumentParser:
                    help="UTF-8 text files whose last 5%% is evaluated (default: the embedded corpus' test split)")
     p.add_argument("--eval-tokens", type=positive_int, default=None, help="cap on held-out tokens evaluated (default: all)")
 
-    command("validate-t5", "check T5 buckets and bias against the installed Transformers")
+    command("validate-t5", "check T5 buckets, bias and whole converted models against the installed Transformers")
+
+    p = command("convert-t5", "an upstream T5 checkpoint folder as an hf_relpos encoder-decoder folder")
+    p.add_argument("src_folder", help="a local folder of a transformers T5ForConditionalGeneration (safetensors)")
+    p.add_argument("out_folder", help="where the converted model, its code and its model card go")
+    p.add_argument("--overwrite", action="store_true", help="replace an hf-relpos model already in OUT_FOLDER")
 
     p = command("compare", "the length-extrapolation experiment over every scheme")
     p.add_argument("--output-dir", default=None,

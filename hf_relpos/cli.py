@@ -1,4 +1,4 @@
-"""``hf-relpos`` commands: train, generate, eval, validate-t5, compare and inspect.
+"""``hf-relpos`` commands: train, generate, eval, validate-t5, convert-t5, compare and inspect.
 
 Thin: each command checks what it was given (a :class:`UserError` names the flag, what was given and
 what is allowed), calls the library and prints. The heavy lifting is Transformers' ``Trainer`` and
@@ -726,7 +726,112 @@ def validate_t5(args) -> int:
     status = "OK" if mismatches == 0 else "MISMATCH"
     print(f"T5 parity with transformers {transformers.__version__} (torch {torch.__version__}): {status}")
     print(f"  cases: {cases}   values checked: {values:,}   mismatches: {mismatches}   max abs error: {max_error:g}")
-    return 0 if mismatches == 0 else 1
+    return 0 if mismatches == 0 and _validate_t5_models() else 1
+
+
+T5_LOGIT_TOLERANCE = 1e-5  # fp32; the issue's bound, above the rounding of the folded 1/sqrt(d) (see t5_conversion)
+
+
+def _validate_t5_models() -> bool:
+    """Whole models: small random upstream T5s of each kind, converted by ``from_t5``, on padded inputs."""
+    from .t5_conversion import T5_KINDS, from_t5, random_t5, t5_parity
+
+    print(f"Whole converted models (hf_relpos.from_t5) against upstream T5ForConditionalGeneration, fp32, "
+          f"tolerance {T5_LOGIT_TOLERANCE:g}:")
+    ok = True
+    for kind in T5_KINDS:
+        for impl in ("eager", "sdpa"):
+            upstream = random_t5(kind)
+            upstream.set_attn_implementation(impl)
+            result = t5_parity(upstream, from_t5(upstream))
+            passed = result["max_abs_logit_diff"] <= T5_LOGIT_TOLERANCE and result["greedy_identical"] and result[
+                "beam_identical"]
+            ok &= passed
+            print(f"  {kind:<36} {impl:>5}: max |logit diff| {result['max_abs_logit_diff']:.2e} (logits up to "
+                  f"{result['max_abs_logit']:.2f}), greedy {'identical' if result['greedy_identical'] else 'DIFFERENT'}, "
+                  f"beam {'identical' if result['beam_identical'] else 'DIFFERENT'}  {'OK' if passed else 'MISMATCH'}")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# convert-t5
+# ----------------------------------------------------------------------------------------------
+
+
+def convert_t5(args) -> int:
+    """A local upstream T5 folder (safetensors) as an hf_relpos encoder-decoder folder, with code and card; the
+    converted model is checked against the upstream one on random padded inputs before anything is written."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from .t5_conversion import from_t5, t5_parity
+
+    src, out = Path(args.src_folder), Path(args.out_folder)
+    if not (src / "config.json").is_file():
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds no config.json: give a local folder saved by "
+                        "T5ForConditionalGeneration.save_pretrained (nothing is downloaded)")
+    if src.resolve() == out.resolve():
+        raise UserError(f"OUT_FOLDER {str(out)!r} is SRC_FOLDER: give another folder (the source is never replaced)")
+    try:
+        config = T5Config.from_pretrained(src, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise UserError(f"SRC_FOLDER {str(src)!r}: its config.json cannot be read ({_first_line(error)})") from None
+    if getattr(config, "model_type", None) != "t5":
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds a {config.model_type!r} model; convert-t5 converts 't5' models")
+    if not any(src.glob("*.safetensors")):
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds no .safetensors weights (pickled weights are not loaded)")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"OUT_FOLDER {str(out)!r} is a file: give a folder path")
+    if out.is_dir() and any(out.iterdir()):
+        foreign = sorted(p.name for p in out.iterdir() if not MODEL_FILE.fullmatch(p.name))
+        if not _is_model_folder(out) or foreign:
+            raise UserError(f"OUT_FOLDER {str(out)!r} holds files that are not an hf-relpos model "
+                            f"({', '.join((foreign or ['config.json'])[:3])}): give a new or empty folder")
+        if not args.overwrite:
+            raise UserError(f"OUT_FOLDER {str(out)!r} already holds an hf-relpos model: pass --overwrite to replace it")
+    with _RemoveIfEmptyOnFailure(out):
+        upstream = T5ForConditionalGeneration.from_pretrained(src, local_files_only=True, use_safetensors=True)
+        upstream = upstream.float().eval()
+        converted = from_t5(upstream)
+        parity = t5_parity(upstream, converted)
+        out.mkdir(parents=True, exist_ok=True)
+        converted.save_pretrained(out)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"):
+            if (src / name).is_file():  # the source's tokenizer travels with the model
+                (out / name).write_bytes((src / name).read_bytes())
+        _write_seq2seq_card(out, src, converted.config, parity, torch.__version__)
+    print(f"Converted {src} -> {out}/: logits within {parity['max_abs_logit_diff']:.1e} of the source model "
+          f"(random padded inputs, fp32); greedy {'identical' if parity['greedy_identical'] else 'DIFFERENT'}, "
+          f"beam search {'identical' if parity['beam_identical'] else 'DIFFERENT'}")
+    return 0
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _write_seq2seq_card(out: Path, src: Path, config, parity: dict, torch_version: str) -> None:
+    kind = "v1.1 / Flan style (gated GELU, untied output layer)" if config.mlp_activation[1] else "v1.0 style (ReLU)"
+    provenance = "\n".join([
+        f"Converted by `hf-relpos convert-t5 {src} {out}` ({time.strftime('%Y-%m-%d')}, torch {torch_version}) from an "
+        f"upstream `T5ForConditionalGeneration`, {kind}:",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| layers | {config.num_hidden_layers} encoder, {config.num_decoder_layers} decoder |",
+        f"| width | d_model {config.hidden_size}, {config.num_attention_heads} heads × d_kv {config.head_dim}, d_ff "
+        f"{config.intermediate_size} (`{config.feed_forward_proj}`) |",
+        f"| output layer | {'tied to the token table' if config.tie_word_embeddings else 'untied'}"
+        f"{', states scaled by d_model**-0.5' if config.scale_decoder_outputs else ''} |",
+        f"| parity with the source (random padded inputs, fp32) | max abs logit difference "
+        f"{parity['max_abs_logit_diff']:.1e}; greedy {'identical' if parity['greedy_identical'] else 'different'}, "
+        f"beam search {'identical' if parity['beam_identical'] else 'different'} |",
+    ])
+    card = (CARDS_DIR / "seq2seq.md").read_text()
+    for key, value in (("title", f"{src.name} converted"), ("scheme", config.position_encoding),
+                       ("provenance", provenance), ("bibtex", BIBTEX["t5_bias"])):
+        card = card.replace("{{" + key + "}}", value)
+    (out / "README.md").write_text(card)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1045,7 +1150,7 @@ def train_command(args) -> int:
 
 
 COMMANDS = {
-    "train": train_command, "generate": generate, "eval": evaluate, "validate-t5": validate_t5, "compare": compare,
+    "train": train_command, "generate": generate, "eval": evaluate, "validate-t5": validate_t5, "convert-t5": convert_t5, "compare": compare,
     "inspect": inspect_model,
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 from transformers import PreTrainedConfig
@@ -13,6 +14,8 @@ POSITION_ENCODINGS = (
 # normalises distances by the query's position, which bounds them only for keys at or before it.
 CAUSAL_ONLY = ("fire", "nope")
 HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu")
+# T5's feed-forward names: "ACT" or "gated-ACT"; T5 maps "gated-gelu" to gelu_new (its v1.1 checkpoints).
+FEED_FORWARD_PROJS = HIDDEN_ACTS + tuple(f"gated-{act}" for act in HIDDEN_ACTS)
 
 
 def _is_int(value) -> bool:
@@ -40,6 +43,13 @@ class RelPosConfig(PreTrainedConfig):
       (up to ``max_position_embeddings``).
 
     ``is_decoder=True`` (the default) makes attention causal; ``False`` makes it bidirectional.
+    ``is_encoder_decoder=True`` describes ``RelPosForConditionalGeneration``: a bidirectional encoder of
+    ``num_hidden_layers`` layers and a causal decoder of ``num_decoder_layers`` (default: as many), each
+    with the scheme in self-attention and its own position parameters, cross-attention without a position
+    term (as T5); generation starts from ``decoder_start_token_id`` (default: ``pad_token_id``, as T5).
+    Fields named as upstream T5 names them: ``feed_forward_proj`` (``"relu"``, ``"gated-gelu"``, ...; default:
+    ``hidden_act``, not gated), ``head_dim`` (T5's ``d_kv``; default ``hidden_size // num_attention_heads``)
+    and ``scale_decoder_outputs`` (T5 v1.0's ``hidden_size**-0.5`` before a tied output layer).
     ``sliding_window=W`` lets each query attend only to the ``W`` latest positions (itself included;
     bidirectional: distances up to ``W`` on both sides), in the model's masks and in Transformers' caches;
     for Transformer-XL with memory it is ``mem_len + 1``.
@@ -76,6 +86,12 @@ class RelPosConfig(PreTrainedConfig):
     fire_threshold: float = 512.0
     rope_theta: float = 10000.0
     is_decoder: bool = True
+    is_encoder_decoder: bool = False
+    num_decoder_layers: int | None = None
+    decoder_start_token_id: int | None = None
+    feed_forward_proj: str | None = None
+    head_dim: int | None = None
+    scale_decoder_outputs: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     rms_norm_eps: float = 1e-6
@@ -89,6 +105,13 @@ class RelPosConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         self._window = None
+        self._validate_fields()
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_decoder_layers is None:
+            self.num_decoder_layers = self.num_hidden_layers
+        if self.is_encoder_decoder and self.decoder_start_token_id is None:
+            self.decoder_start_token_id = self.pad_token_id
         self._validate_fields()
         super().__post_init__(**kwargs)
 
@@ -138,16 +161,16 @@ class RelPosConfig(PreTrainedConfig):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "max_position_embeddings", "fire_mlp_width"):
             positive_int(name)
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"RelPosConfig.hidden_size must be divisible by num_attention_heads={self.num_attention_heads}, "
-                f"got {self.hidden_size}"
+                f"RelPosConfig.hidden_size must be divisible by num_attention_heads={self.num_attention_heads} "
+                f"(or head_dim given), got {self.hidden_size}"
             )
-        head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim is not None:
+            positive_int("head_dim")
+        head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if self.position_encoding == "rope" and head_dim % 2:
-            raise ValueError(
-                f"RelPosConfig.hidden_size / num_attention_heads must be even for rope (rotated pairs), got {head_dim}"
-            )
+            raise ValueError(f"RelPosConfig.head_dim must be even for rope (rotated pairs), got {head_dim}")
         if self.position_encoding in ("sinusoidal", "transformer_xl") and self.hidden_size % 2:
             raise ValueError(
                 f"RelPosConfig.hidden_size must be even for {self.position_encoding} (sin and cos halves), "
@@ -155,13 +178,19 @@ class RelPosConfig(PreTrainedConfig):
             )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"RelPosConfig.hidden_act must be one of {list(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        if self.feed_forward_proj is not None and self.feed_forward_proj not in FEED_FORWARD_PROJS:
+            raise ValueError(
+                f"RelPosConfig.feed_forward_proj must be None (hidden_act, not gated) or one of "
+                f"{list(FEED_FORWARD_PROJS)}, got {self.feed_forward_proj!r}"
+            )
         # T5 buckets: each direction needs one exact bucket and room for log-spaced ones.
         int_at_least("relative_attention_num_buckets", 2, "an int >= 2")
-        one_side = self.relative_attention_num_buckets // (1 if self.is_decoder else 2)
+        bidirectional = not self.is_decoder or self.is_encoder_decoder is True  # an encoder-decoder's encoder
+        one_side = self.relative_attention_num_buckets // (2 if bidirectional else 1)
         if one_side // 2 < 1:
             raise ValueError(
                 "RelPosConfig.relative_attention_num_buckets must be >= 4 for a bidirectional model "
-                f"(is_decoder=False), got {self.relative_attention_num_buckets}"
+                f"(is_decoder=False or is_encoder_decoder=True), got {self.relative_attention_num_buckets}"
             )
         int_at_least(
             "relative_attention_max_distance", one_side // 2 + 1,
@@ -186,9 +215,14 @@ class RelPosConfig(PreTrainedConfig):
         positive_float("initializer_range")
         probability("hidden_dropout")
         probability("attention_dropout")
-        for name in ("is_decoder", "shaw_value_embeddings", "attention_bias", "use_cache", "tie_word_embeddings"):
+        for name in ("is_decoder", "is_encoder_decoder", "shaw_value_embeddings", "attention_bias", "use_cache",
+                     "tie_word_embeddings", "scale_decoder_outputs"):
             boolean(name)
-        for name in ("pad_token_id", "bos_token_id"):
+        if self.num_decoder_layers is not None:
+            positive_int("num_decoder_layers")
+        if self.is_encoder_decoder:
+            self._check_encoder_decoder()
+        for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size
@@ -207,6 +241,36 @@ class RelPosConfig(PreTrainedConfig):
                 f"RelPosConfig.eos_token_id must be None, an int or a list of ints in [0, vocab_size={self.vocab_size}), "
                 f"got {eos!r}"
             )
+
+    def _check_encoder_decoder(self) -> None:
+        """What an encoder-decoder needs: a scheme defined for the bidirectional encoder, no memory or window
+        (Transformers builds the cross-attention cache from the same config: a window would cut the source)."""
+        if self.position_encoding in CAUSAL_ONLY:
+            allowed = [p for p in POSITION_ENCODINGS if p not in CAUSAL_ONLY]
+            raise ValueError(
+                f"RelPosConfig.position_encoding must be one of {allowed} for an encoder-decoder "
+                f"(is_encoder_decoder=True: its encoder is bidirectional), got {self.position_encoding!r}"
+            )
+        if self.mem_len:
+            raise ValueError(f"RelPosConfig.mem_len must be 0 for an encoder-decoder, got {self.mem_len}")
+
+    def stack_config(self, decoder: bool) -> "RelPosConfig":
+        """The config of an encoder-decoder's encoder (bidirectional, no cache) or decoder (causal, with
+        ``num_decoder_layers`` layers and cross-attention), as T5 derives its stacks."""
+        config = copy.deepcopy(self)
+        config.is_decoder = decoder
+        if decoder:
+            config.num_hidden_layers = self.num_decoder_layers
+        else:
+            config.use_cache = False
+        return config
+
+    def get_text_config(self, decoder=None, encoder=None):
+        """An encoder-decoder's decoder config when ``decoder=True``: generate sizes its caches from it, so a
+        decoder deeper than the encoder gets a cache layer per decoder layer."""
+        if self.is_encoder_decoder and decoder and not encoder:
+            return self.stack_config(decoder=True)
+        return super().get_text_config(decoder=decoder, encoder=encoder)
 
     def validate_architecture(self):
         """Called by Transformers' strict validation (e.g. on save): re-check every field."""
@@ -238,6 +302,8 @@ class RelPosConfig(PreTrainedConfig):
     def _check_window(self, window) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"RelPosConfig.sliding_window must be None or an int >= 1, got {window!r}")
+        if window is not None and getattr(self, "is_encoder_decoder", False) is True:
+            raise ValueError(f"RelPosConfig.sliding_window must be None for an encoder-decoder, got {window!r}")
         memory = self.memory_window
         if memory is not None and window not in (None, memory):
             raise ValueError(
@@ -252,8 +318,13 @@ class RelPosConfig(PreTrainedConfig):
         return output
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def mlp_activation(self) -> tuple[str, bool]:
+        """The feed-forward activation and whether it is gated (``act(gate) * up``), from ``feed_forward_proj``."""
+        if self.feed_forward_proj is None:
+            return self.hidden_act, False
+        gated = self.feed_forward_proj.startswith("gated-")
+        act = self.feed_forward_proj.removeprefix("gated-")
+        return ("gelu_new" if gated and act == "gelu" else act), gated
 
 
-__all__ = ["RelPosConfig", "POSITION_ENCODINGS", "CAUSAL_ONLY"]
+__all__ = ["RelPosConfig", "POSITION_ENCODINGS", "CAUSAL_ONLY", "FEED_FORWARD_PROJS"]

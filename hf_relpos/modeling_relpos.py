@@ -19,11 +19,18 @@ from torch.nn import functional as F
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, SequenceClassifierOutput
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPast,
+    BaseModelOutputWithPastAndCrossAttentions,
+    CausalLMOutputWithPast,
+    Seq2SeqLMOutput,
+    SequenceClassifierOutput,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple
@@ -104,14 +111,22 @@ class RelPosRMSNorm(nn.Module):
 
 
 class RelPosMLP(nn.Module):
+    """``down(act(up(x)))``, or with ``feed_forward_proj="gated-ACT"`` ``down(act(gate(x)) * up(x))`` (T5 v1.1)."""
+
     def __init__(self, config: RelPosConfig):
         super().__init__()
+        act, gated = config.mlp_activation
+        self.gate_proj = (
+            nn.Linear(config.hidden_size, config.intermediate_size, bias=config.attention_bias) if gated else None
+        )
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.attention_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.attention_bias)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+        if self.gate_proj is None:
+            return self.down_proj(self.act_fn(self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def eager_attention_forward(
@@ -599,7 +614,7 @@ class TransformerXLRelative(nn.Module):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.r_net = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.r_net = nn.Linear(config.hidden_size, config.num_attention_heads * config.head_dim, bias=False)
         self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self._projected = None  # inference only: (key, highest distance, [H, span, D] for distances descending)
@@ -734,10 +749,11 @@ class RelPosAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = config.is_decoder
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        inner = config.num_attention_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, inner, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, inner, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, inner, bias=config.attention_bias)
+        self.o_proj = nn.Linear(inner, config.hidden_size, bias=config.attention_bias)
         self.relative = POSITION_SCHEMES[config.position_encoding].layer_module(config)
 
     def forward(
@@ -763,12 +779,68 @@ class RelPosAttention(nn.Module):
         return self.o_proj(out.reshape(batch, length, -1)), weights
 
 
+class RelPosCrossAttention(nn.Module):
+    """An encoder-decoder's attention from decoder queries to the encoder's states, without a position
+    term (as T5). Its keys and values are projected once per source and kept in the cross-attention cache."""
+
+    def __init__(self, config: RelPosConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False
+        inner = config.num_attention_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, inner, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, inner, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, inner, bias=config.attention_bias)
+        self.o_proj = nn.Linear(inner, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_mask: Optional[torch.Tensor],
+        ctx: PositionContext,
+        past_key_values: Optional[EncoderDecoderCache] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        batch, length, _ = hidden_states.shape
+        query = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        cache = past_key_values.cross_attention_cache if past_key_values is not None else None
+        if cache is not None and past_key_values.is_updated.get(self.layer_idx):
+            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        else:
+            shape = (batch, -1, self.num_heads, self.head_dim)
+            key = self.k_proj(encoder_hidden_states).view(shape).transpose(1, 2)
+            value = self.v_proj(encoder_hidden_states).view(shape).transpose(1, 2)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx)
+                past_key_values.is_updated[self.layer_idx] = True
+        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
+        out, weights = interface(
+            self, query, key, value, encoder_mask,
+            dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, is_causal=False,
+        )
+        if encoder_mask is not None:
+            # A source that is all padding leaves a query no key: zeros, never NaN (as the self-attention paths).
+            out = out * encoder_mask.any(dim=-1, keepdim=True).transpose(1, 2).to(out.dtype)
+        return self.o_proj(out.reshape(batch, length, -1)), weights
+
+
 class RelPosDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm: self-attention with the position scheme, then (an encoder-decoder's decoder) cross-attention
+    to the encoder's states, then the MLP; each adds to the residual stream."""
+
     def __init__(self, config: RelPosConfig, layer_idx: int):
         super().__init__()
         self.self_attn = RelPosAttention(config, layer_idx)
-        self.mlp = RelPosMLP(config)
         self.input_layernorm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.is_encoder_decoder and config.is_decoder:
+            self.encoder_attn = RelPosCrossAttention(config, layer_idx)
+            self.encoder_attn_layernorm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = RelPosMLP(config)
         self.post_attention_layernorm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -776,16 +848,28 @@ class RelPosDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         term: Any,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
         ctx: PositionContext = None,
         memory: Optional[torch.Tensor] = None,
         past_key_values: Optional[Cache] = None,
+        encoder_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         residual = hidden_states
         normed_memory = None if memory is None else self.input_layernorm(memory)
+        self_cache = past_key_values
+        if isinstance(past_key_values, EncoderDecoderCache):
+            self_cache = past_key_values.self_attention_cache
         hidden_states, _ = self.self_attn(
-            self.input_layernorm(hidden_states), term, ctx, normed_memory, past_key_values
+            self.input_layernorm(hidden_states), term, ctx, normed_memory, self_cache
         )
         hidden_states = residual + self.dropout(hidden_states)
+        if encoder_hidden_states is not None:
+            residual = hidden_states
+            cross_cache = past_key_values if isinstance(past_key_values, EncoderDecoderCache) else None
+            hidden_states, _ = self.encoder_attn(
+                self.encoder_attn_layernorm(hidden_states), encoder_hidden_states, encoder_mask, ctx, cross_cache
+            )
+            hidden_states = residual + self.dropout(hidden_states)
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
         return residual + self.dropout(hidden_states)
@@ -800,6 +884,7 @@ AUTO_MAP = {
     "AutoModel": "modeling_relpos.RelPosModel",
     "AutoModelForCausalLM": "modeling_relpos.RelPosForCausalLM",
     "AutoModelForSequenceClassification": "modeling_relpos.RelPosForSequenceClassification",
+    "AutoModelForSeq2SeqLM": "modeling_relpos.RelPosForConditionalGeneration",
 }
 
 
@@ -862,7 +947,10 @@ class RelPosPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code)."""
-        self.config.auto_map = dict(AUTO_MAP)
+        seq2seq = "AutoModelForSeq2SeqLM"
+        self.config.auto_map = {
+            k: v for k, v in AUTO_MAP.items() if (k == seq2seq) == self.config.is_encoder_decoder or k == "AutoConfig"
+        }
         if type(self)._auto_class is None:
             type(self).register_for_auto_class(_AUTO_CLASS_OF.get(type(self).__name__, "AutoModel"))
         if type(self.config)._auto_class is None:
@@ -874,6 +962,7 @@ _AUTO_CLASS_OF = {
     "RelPosModel": "AutoModel",
     "RelPosForCausalLM": "AutoModelForCausalLM",
     "RelPosForSequenceClassification": "AutoModelForSequenceClassification",
+    "RelPosForConditionalGeneration": "AutoModelForSeq2SeqLM",
 }
 
 
@@ -1029,13 +1118,24 @@ class RelPosModel(RelPosPreTrainedModel):
         inputs_embeds: Optional[torch.FloatTensor] = None,
         use_cache: Optional[bool] = None,
         mems: Optional[list] = None,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        encoder_attention_mask: Optional[torch.Tensor] = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RelPosModelOutput:
         """``output_attentions``, ``output_hidden_states`` and ``return_dict`` (call arguments or config
         fields) are served by Transformers' ``capture_outputs``. Packed sequences (one row of documents
         whose ``position_ids`` restart at 0, or the ``cu_seq_lens_q`` / ``seq_idx`` kwargs of
-        ``DataCollatorWithFlattening``) attend only within their document."""
+        ``DataCollatorWithFlattening``) attend only within their document.
+
+        An encoder-decoder's decoder also takes ``encoder_hidden_states`` (with ``encoder_attention_mask``)
+        and an ``EncoderDecoderCache``, whose self-attention part holds the positions."""
         config = self.config
+        cross = config.is_encoder_decoder and config.is_decoder
+        cache = past_key_values
+        if isinstance(cache, EncoderDecoderCache):
+            if not cross:
+                raise ValueError("an EncoderDecoderCache is for an encoder-decoder's decoder; this stack has no cross-attention")
+            past_key_values = cache.self_attention_cache
         impl = config._attn_implementation or "eager"
         if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
             raise ValueError(
@@ -1047,12 +1147,16 @@ class RelPosModel(RelPosPreTrainedModel):
         batch, length, past, mem_length = self._check_inputs(
             input_ids, inputs_embeds, attention_mask, past_key_values, mems, position_ids
         )
+        encoder_mask = self._encoder_mask(encoder_hidden_states, encoder_attention_mask, batch) if cross else None
+        if encoder_hidden_states is not None and not cross:
+            raise ValueError("encoder_hidden_states are for an encoder-decoder's decoder (is_encoder_decoder=True)")
         output_attentions = kwargs.get("output_attentions")
         output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
         if mems is not None and config.mem_len and use_cache and past_key_values is None:
             use_cache = False  # Transformer-XL memory replaces the cache within a forward with mems
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
+            cache = EncoderDecoderCache(past_key_values, DynamicCache(config=config)) if cross else past_key_values
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -1120,14 +1224,41 @@ class RelPosModel(RelPosPreTrainedModel):
             memory = mems[layer_idx] if mems is not None else None
             if new_mems is not None:
                 new_mems.append(self._update_memory(memory, hidden_states))
-            # hidden_states and the term positionally: reentrant checkpointing carries gradients only for those.
-            hidden_states = layer(hidden_states, term, ctx=ctx, memory=memory, past_key_values=past_key_values)
+            # Tensors that need gradients positionally: reentrant checkpointing carries gradients only for those.
+            hidden_states = layer(
+                hidden_states, term, encoder_hidden_states,
+                ctx=ctx, memory=memory, past_key_values=cache, encoder_mask=encoder_mask,
+            )
         hidden_states = self.norm(hidden_states)
+        if cross:
+            return BaseModelOutputWithPastAndCrossAttentions(
+                last_hidden_state=hidden_states, past_key_values=cache if use_cache else None
+            )
         return RelPosModelOutput(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            past_key_values=cache if use_cache else None,
             mems=new_mems,
         )
+
+    def _encoder_mask(self, encoder_hidden_states, encoder_attention_mask, batch) -> Optional[torch.Tensor]:
+        """The decoder's view of the source: bool ``[B, 1, 1, S]`` (True = may attend), None when nothing is padding."""
+        hidden = self.config.hidden_size
+        if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3 or (
+            encoder_hidden_states.shape[0] != batch or encoder_hidden_states.shape[2] != hidden
+        ):
+            got = tuple(encoder_hidden_states.shape) if isinstance(encoder_hidden_states, torch.Tensor) else encoder_hidden_states
+            raise ValueError(f"encoder_hidden_states must be [batch={batch}, source_len, hidden_size={hidden}], got {got}")
+        if encoder_attention_mask is None:
+            return None
+        source = encoder_hidden_states.shape[1]
+        if encoder_attention_mask.dim() != 2 or tuple(encoder_attention_mask.shape) != (batch, source):
+            raise ValueError(
+                f"encoder_attention_mask (the source's attention_mask) must be [batch={batch}, source_len={source}], "
+                f"got shape {tuple(encoder_attention_mask.shape)}"
+            )
+        if not torch.compiler.is_compiling() and bool(encoder_attention_mask.all()):
+            return None
+        return encoder_attention_mask.bool()[:, None, None, :]
 
     def _window_mask(self, length: int, kv_length: int, offset: int, device) -> torch.Tensor:
         """``[1, 1, Q, K]`` bool sliding window, as Transformers' masks: causal ``i - j < W``, bidirectional
@@ -1221,6 +1352,13 @@ class RelPosModel(RelPosPreTrainedModel):
             memory_mask = memory_mask[:, None, None, :].expand(mask.shape[0], 1, length, mem_length)
             mask = torch.cat([memory_mask, mask], dim=-1)
         return mask
+
+
+class RelPosCrossDecoder(RelPosModel):
+    """An encoder-decoder's decoder stack: ``RelPosModel`` whose layers also cross-attend to the encoder
+    (its config has ``is_encoder_decoder`` and ``is_decoder``); its outputs add ``cross_attentions``."""
+
+    _can_record_outputs = {**RelPosModel._can_record_outputs, "cross_attentions": RelPosCrossAttention}
 
 
 # ----------------------------------------------------------------------------------
@@ -1368,10 +1506,141 @@ class RelPosForSequenceClassification(RelPosPreTrainedModel):
         )
 
 
+class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
+    """An encoder-decoder in T5's layout: one token table (``shared``) for the encoder, the decoder and (with
+    ``tie_word_embeddings``) the output layer; a bidirectional encoder and a causal decoder (``RelPosModel``
+    stacks, each with its own position parameters: T5's one bias table per stack); the decoder's layers
+    cross-attend to the encoder's last states. ``labels`` give the loss, and ``decoder_input_ids`` default
+    to the labels shifted right behind ``decoder_start_token_id`` (T5's ``_shift_right``)."""
+
+    # Both stacks always read the shared table; the output layer does when tie_word_embeddings (see below).
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+        "lm_head.weight": "shared.weight",
+    }
+
+    def __init__(self, config: RelPosConfig):
+        if not config.is_encoder_decoder:
+            raise ValueError(
+                "RelPosForConditionalGeneration needs config.is_encoder_decoder=True, got is_encoder_decoder=False"
+            )
+        super().__init__(config)
+        self.loss_type = "ForMaskedLM"  # labels are aligned with the logits (no shift inside the loss), as T5's
+        self.shared = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.encoder = RelPosModel(config.stack_config(decoder=False))
+        self.decoder = RelPosCrossDecoder(config.stack_config(decoder=True))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        """Transformers ties ``_tied_weights_keys`` only with ``tie_word_embeddings``; here the stacks' tables
+        are always the shared one (they are one table in T5), the output layer only when tied."""
+        tied = dict(self._tied_weights_keys)
+        if not self.config.tie_word_embeddings:
+            del tied["lm_head.weight"]
+        return tied
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, value):
+        self.shared = value
+        self.encoder.set_input_embeddings(value)
+        self.decoder.set_input_embeddings(value)
+
+    def get_encoder(self, modality: Optional[str] = None):
+        return self.encoder
+
+    def _shift_right(self, labels: torch.Tensor) -> torch.Tensor:
+        """T5's decoder inputs from labels: ``decoder_start_token_id`` then the labels but the last, ``-100`` as padding."""
+        start, pad = self.config.decoder_start_token_id, self.config.pad_token_id
+        if start is None or pad is None:
+            raise ValueError(
+                "decoder_start_token_id and pad_token_id must be set to derive decoder_input_ids from labels, got "
+                f"decoder_start_token_id={start!r}, pad_token_id={pad!r}"
+            )
+        shifted = labels.new_full(labels.shape, start)
+        shifted[..., 1:] = labels[..., :-1]
+        return shifted.masked_fill(shifted == -100, pad)
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return self._shift_right(labels)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        decoder_input_ids: Optional[torch.LongTensor] = None,
+        decoder_attention_mask: Optional[torch.Tensor] = None,
+        encoder_outputs: Optional[Any] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        decoder_inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> Seq2SeqLMOutput:
+        """Encode (unless ``encoder_outputs`` are given, as ``generate`` does after its first step), decode, and
+        score; every keyword argument reaches both stacks and Transformers' loss (``num_items_in_batch``, ...)."""
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True,
+                **kwargs,
+            )
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(
+                last_hidden_state=encoder_outputs[0],
+                hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+                attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
+            )
+        if labels is not None:
+            if labels.dim() != 2:
+                raise ValueError(f"labels must be [batch, target_len], got shape {tuple(labels.shape)}")
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = self._shift_right(labels)
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            past_key_values=past_key_values,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden = slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep)
+        if self.config.scale_decoder_outputs:  # T5 v1.0: the tied output layer reads d_model**-0.5-scaled states
+            hidden = hidden * self.config.hidden_size**-0.5
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise ValueError(f"labels must be [batch, target_len] = {list(logits.shape[:2])}, got {tuple(labels.shape)}")
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if not torch.isfinite(loss):  # every label ignored: no signal, not NaN
+                loss = logits.sum() * 0.0
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+
+
 __all__ = [
     "RelPosPreTrainedModel",
     "RelPosModel",
     "RelPosForCausalLM",
     "RelPosForSequenceClassification",
+    "RelPosForConditionalGeneration",
     "POSITION_SCHEMES",
 ]

@@ -163,7 +163,19 @@ BAD_CONFIGS = [
     ({"intermediate_size": 0}, "intermediate_size", "0"),
     ({"max_position_embeddings": 0}, "max_position_embeddings", "0"),
     ({"hidden_size": 30}, "hidden_size", "30"),  # not divisible by 4 heads
-    ({"hidden_size": 36, "num_attention_heads": 12, "position_encoding": "rope"}, "hidden_size", "3"),  # odd head_dim
+    ({"hidden_size": 36, "num_attention_heads": 12, "position_encoding": "rope"}, "head_dim", "3"),  # odd head_dim
+    ({"head_dim": 5, "position_encoding": "rope"}, "head_dim", "5"),
+    ({"head_dim": 0}, "head_dim", "0"),
+    ({"feed_forward_proj": "gated"}, "feed_forward_proj", "gated"),
+    ({"feed_forward_proj": "swiglu"}, "feed_forward_proj", "swiglu"),
+    ({"num_decoder_layers": 0, "is_encoder_decoder": True}, "num_decoder_layers", "0"),
+    ({"is_encoder_decoder": True, "position_encoding": "fire"}, "position_encoding", "fire"),
+    ({"is_encoder_decoder": True, "position_encoding": "nope"}, "position_encoding", "nope"),
+    ({"is_encoder_decoder": True, "decoder_start_token_id": VOCAB}, "decoder_start_token_id", str(VOCAB)),
+    ({"is_encoder_decoder": True, "relative_attention_num_buckets": 3}, "relative_attention_num_buckets", "3"),
+    ({"is_encoder_decoder": True, "position_encoding": "transformer_xl", "mem_len": 4}, "mem_len", "4"),
+    ({"is_encoder_decoder": True, "sliding_window": 4}, "sliding_window", "4"),
+    ({"scale_decoder_outputs": 1}, "scale_decoder_outputs", "1"),
     ({"hidden_dropout": 1.0}, "hidden_dropout", "1.0"),
     ({"hidden_dropout": -0.1}, "hidden_dropout", "-0.1"),
     ({"attention_dropout": 1.5}, "attention_dropout", "1.5"),
@@ -252,7 +264,14 @@ NON_DEFAULT_FIELDS = dict(
     pad_token_id=3,
     bos_token_id=2,
     eos_token_id=4,
+    num_decoder_layers=5,
+    decoder_start_token_id=6,
+    feed_forward_proj="gated-silu",
+    head_dim=10,
+    scale_decoder_outputs=True,
 )
+# An encoder-decoder refuses Transformer-XL's memory: its round trip takes the T5 bias.
+SEQ2SEQ_FIELDS = dict(NON_DEFAULT_FIELDS, is_encoder_decoder=True, position_encoding="t5_bias", mem_len=0)
 
 
 def _field_names():
@@ -263,16 +282,17 @@ def _field_names():
     return names
 
 
-def test_config_round_trip(tmp_path):
-    assert set(NON_DEFAULT_FIELDS) <= set(_field_names())
-    missing = set(_field_names()) - set(NON_DEFAULT_FIELDS)
+@pytest.mark.parametrize("fields", [NON_DEFAULT_FIELDS, SEQ2SEQ_FIELDS], ids=["decoder", "encoder-decoder"])
+def test_config_round_trip(tmp_path, fields):
+    assert set(fields) <= set(_field_names())
+    missing = set(_field_names()) - set(NON_DEFAULT_FIELDS) - set(SEQ2SEQ_FIELDS)
     assert not missing, f"round-trip test does not cover fields {missing}"
-    config = RelPosConfig(**NON_DEFAULT_FIELDS)
-    for name, value in NON_DEFAULT_FIELDS.items():
+    config = RelPosConfig(**fields)
+    for name, value in fields.items():
         assert getattr(config, name) == value, name
 
     as_dict = config.to_dict()
-    for name, value in NON_DEFAULT_FIELDS.items():
+    for name, value in fields.items():
         assert as_dict[name] == value, name
     again = RelPosConfig.from_dict(as_dict)
     config.save_pretrained(tmp_path)
@@ -280,7 +300,7 @@ def test_config_round_trip(tmp_path):
     auto = AutoConfig.from_pretrained(tmp_path)
     assert type(auto) is RelPosConfig
     for other in (again, loaded, auto):
-        for name, value in NON_DEFAULT_FIELDS.items():
+        for name, value in fields.items():
             assert getattr(other, name) == value, name
         _same_dict(other.to_dict(), as_dict)
 

@@ -1,0 +1,189 @@
+"""Upstream T5 checkpoints as hf_relpos encoder-decoders: ``from_t5`` and the folder conversion behind
+``hf-relpos convert-t5``.
+
+T5 (Raffel et al. 2020) is an encoder-decoder with hf_relpos' ``t5_bias`` scheme, RMS norms before each
+sub-layer, and attention without the ``1/sqrt(d)`` factor: ``softmax(q·k + b)``. hf_relpos' attention
+divides by ``sqrt(head_dim)``, so the conversion multiplies each query projection by ``sqrt(head_dim)``,
+which gives T5's scores exactly up to rounding (``(sqrt(d)·q)·k / sqrt(d) = q·k``). Every other weight is
+copied: v1.0's ReLU MLP (``wi``, ``wo``) and tied output layer with its ``d_model**-0.5`` rescaling
+(``scale_decoder_outputs``), v1.1/Flan's gated-GELU MLP (``wi_0`` as the gate, ``wi_1``) and untied
+output layer, and any ``num_heads * d_kv`` (``head_dim``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .configuration_relpos import RelPosConfig
+from .modeling_relpos import RelPosForConditionalGeneration
+
+
+def t5_config_to_relpos(t5_config, *, tied: bool) -> RelPosConfig:
+    """The RelPosConfig of a converted T5: T5's field names mapped onto hf_relpos' (``tied``: the upstream
+    model's output layer is its token table)."""
+    start = t5_config.decoder_start_token_id
+    return RelPosConfig(
+        position_encoding="t5_bias",
+        is_encoder_decoder=True,
+        is_decoder=False,
+        vocab_size=t5_config.vocab_size,
+        hidden_size=t5_config.d_model,
+        head_dim=t5_config.d_kv,
+        num_attention_heads=t5_config.num_heads,
+        intermediate_size=t5_config.d_ff,
+        num_hidden_layers=t5_config.num_layers,
+        num_decoder_layers=t5_config.num_decoder_layers,
+        relative_attention_num_buckets=t5_config.relative_attention_num_buckets,
+        relative_attention_max_distance=t5_config.relative_attention_max_distance,
+        feed_forward_proj=t5_config.feed_forward_proj,
+        rms_norm_eps=t5_config.layer_norm_epsilon,
+        hidden_dropout=float(t5_config.dropout_rate),
+        attention_dropout=float(t5_config.dropout_rate),
+        initializer_range=t5_config.initializer_factor * 0.02,
+        tie_word_embeddings=tied,
+        scale_decoder_outputs=bool(t5_config.scale_decoder_outputs),
+        pad_token_id=t5_config.pad_token_id,
+        eos_token_id=t5_config.eos_token_id,
+        decoder_start_token_id=t5_config.pad_token_id if start is None else start,
+        attention_bias=False,
+    )
+
+
+def _t5_state_dict_to_relpos(state: dict, config: RelPosConfig) -> dict:
+    """Upstream T5 parameter names -> hf_relpos names, the query projections scaled by ``sqrt(head_dim)``."""
+    q_scale = math.sqrt(config.head_dim)
+    _, gated = config.mlp_activation
+    out = {"shared.weight": state["shared.weight"]}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for stack, layers in (("encoder", config.num_hidden_layers), ("decoder", config.num_decoder_layers)):
+        src = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        out[f"{stack}.position.relative_attention_bias.weight"] = state[src]
+        out[f"{stack}.norm.weight"] = state[f"{stack}.final_layer_norm.weight"]
+        for i in range(layers):
+            block, layer = f"{stack}.block.{i}.layer", f"{stack}.layers.{i}"
+            attentions = [("0.SelfAttention", "self_attn")]
+            if stack == "decoder":
+                attentions.append(("1.EncDecAttention", "encoder_attn"))
+                out[f"{layer}.encoder_attn_layernorm.weight"] = state[f"{block}.1.layer_norm.weight"]
+            for upstream, ours in attentions:
+                for name in "qkvo":
+                    weight = state[f"{block}.{upstream}.{name}.weight"]
+                    out[f"{layer}.{ours}.{name}_proj.weight"] = weight * q_scale if name == "q" else weight
+            out[f"{layer}.input_layernorm.weight"] = state[f"{block}.0.layer_norm.weight"]
+            ff = f"{block}.{2 if stack == 'decoder' else 1}"
+            out[f"{layer}.post_attention_layernorm.weight"] = state[f"{ff}.layer_norm.weight"]
+            if gated:
+                out[f"{layer}.mlp.gate_proj.weight"] = state[f"{ff}.DenseReluDense.wi_0.weight"]
+                out[f"{layer}.mlp.up_proj.weight"] = state[f"{ff}.DenseReluDense.wi_1.weight"]
+            else:
+                out[f"{layer}.mlp.up_proj.weight"] = state[f"{ff}.DenseReluDense.wi.weight"]
+            out[f"{layer}.mlp.down_proj.weight"] = state[f"{ff}.DenseReluDense.wo.weight"]
+    return out
+
+
+def from_t5(model) -> RelPosForConditionalGeneration:
+    """An hf_relpos encoder-decoder with the same logits and ``generate`` outputs as the upstream
+    ``transformers.T5ForConditionalGeneration`` ``model`` (v1.0, v1.1, Flan; fp32 to rounding)."""
+    from transformers import T5ForConditionalGeneration
+
+    if not isinstance(model, T5ForConditionalGeneration):
+        raise ValueError(f"from_t5 takes a transformers.T5ForConditionalGeneration, got {type(model).__name__}")
+    tied = model.lm_head.weight.data_ptr() == model.shared.weight.data_ptr()
+    config = t5_config_to_relpos(model.config, tied=tied)
+    converted = RelPosForConditionalGeneration(config).to(model.shared.weight.dtype)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    missing, unexpected = converted.load_state_dict(_t5_state_dict_to_relpos(state, config), strict=False)
+    # The stacks' token tables (and a tied output layer) are the shared table, absent from the mapping.
+    missing = [k for k in missing if k not in converted.get_expanded_tied_weights_keys()]
+    if missing or unexpected:
+        raise ValueError(f"T5 conversion left parameters unmapped: missing {missing}, unexpected {unexpected}")
+    converted.generation_config = model.generation_config
+    if model.config._attn_implementation in ("eager", "sdpa"):  # the kernels both share; else hf_relpos' default
+        converted.set_attn_implementation(model.config._attn_implementation)
+    return converted.train(model.training)
+
+
+def convert_t5_folder(src: Path, out: Path) -> RelPosForConditionalGeneration:
+    """Load a local upstream T5 checkpoint (safetensors only, nothing downloaded), convert it, save it to ``out``
+    with the remote code, and return the converted model. The caller checks that ``out`` may be written."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config.from_pretrained(src, local_files_only=True)
+    if config.model_type != "t5":
+        raise ValueError(f"{src} holds a {config.model_type!r} checkpoint, not an upstream T5 ('t5')")
+    model = T5ForConditionalGeneration.from_pretrained(src, local_files_only=True, use_safetensors=True)
+    converted = from_t5(model.eval())
+    converted.save_pretrained(out)
+    return converted
+
+
+# The three upstream kinds the conversion is checked on (tests, ``hf-relpos validate-t5``): T5 v1.0, v1.1 / Flan,
+# and a shape whose attention width ``num_heads * d_kv`` is not ``d_model``, with fewer decoder than encoder layers.
+T5_KINDS = {
+    "v1.0 (ReLU, tied output rescaled)": dict(feed_forward_proj="relu", tie=True),
+    "v1.1/Flan (gated GELU, untied)": dict(feed_forward_proj="gated-gelu", tie=False),
+    "num_heads*d_kv != d_model": dict(feed_forward_proj="gated-gelu", tie=False, num_heads=3, d_kv=6,
+                                      num_decoder_layers=1),
+}
+
+
+def random_t5(kind: str, seed: int = 0):
+    """A small upstream ``T5ForConditionalGeneration`` of one of ``T5_KINDS``, every weight re-randomised
+    (norm scales, bias tables and the output layer included) so that a misplaced weight changes the logits."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    spec = dict(T5_KINDS[kind])
+    tie = spec.pop("tie")
+    spec = {"num_heads": 4, "d_kv": 8, **spec}
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=99, d_model=32, d_ff=64, num_layers=2, relative_attention_num_buckets=8,
+        relative_attention_max_distance=20, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        dropout_rate=0.0, tie_word_embeddings=tie, **spec,  # upstream: tie_word_embeddings=False -> no rescaling
+    )
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        if not tie:  # upstream ties its output layer whatever the config says: untie it as v1.1 checkpoints are
+            model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight))
+        for name, param in model.named_parameters():
+            if "layer_norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif "relative_attention_bias" in name:
+                param.normal_(0.0, 0.3)
+            elif name == "lm_head.weight":
+                param.normal_(0.0, 0.05)
+            else:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+    return model
+
+
+def t5_parity(upstream, converted, seed: int = 0) -> dict:
+    """The converted model against upstream on random padded inputs: the largest logit difference (and the
+    logits' scale), and whether greedy and beam-search outputs are identical."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = upstream.config.vocab_size
+    source = torch.randint(2, vocab, (3, 30), generator=generator)
+    source_mask = torch.ones_like(source)
+    source_mask[1, :5] = 0  # left padding
+    source_mask[2, -7:] = 0  # right padding
+    target = torch.randint(2, vocab, (3, 25), generator=generator)
+    target_mask = torch.ones_like(target)
+    target_mask[0, -4:] = 0
+    inputs = dict(input_ids=source, attention_mask=source_mask, decoder_input_ids=target,
+                  decoder_attention_mask=target_mask)
+    with torch.no_grad():
+        expected, got = upstream(**inputs).logits, converted(**inputs).logits
+    decode = dict(input_ids=source, attention_mask=source_mask, max_new_tokens=10, do_sample=False)
+    return {
+        "max_abs_logit_diff": (expected - got).abs().max().item(),
+        "max_abs_logit": expected.abs().max().item(),
+        "greedy_identical": torch.equal(upstream.generate(**decode), converted.generate(**decode)),
+        "beam_identical": torch.equal(upstream.generate(**decode, num_beams=3), converted.generate(**decode, num_beams=3)),
+    }
+
+
+__all__ = ["from_t5", "convert_t5_folder", "t5_config_to_relpos", "random_t5", "t5_parity", "T5_KINDS"]

@@ -1,0 +1,354 @@
+"""RelPosForConditionalGeneration (encoder-decoder) and the conversion of upstream T5 (hf_relpos.from_t5).
+
+Oracles: upstream ``T5ForConditionalGeneration`` (conversion parity), the uncached full forward (cached
+decoding), and plain PyTorch cross-entropy written here (the loss).
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import hf_relpos
+from hf_relpos import RelPosConfig, RelPosForConditionalGeneration
+from hf_relpos.configuration_relpos import CAUSAL_ONLY, POSITION_ENCODINGS
+from hf_relpos.t5_conversion import T5_KINDS, random_t5, t5_parity
+from hf_relpos_cli import main as cli_main
+
+VOCAB = 61
+SEQ2SEQ_SCHEMES = [p for p in POSITION_ENCODINGS if p not in CAUSAL_ONLY]
+
+
+def seq2seq_config(scheme="t5_bias", **overrides) -> RelPosConfig:
+    kwargs = dict(
+        position_encoding=scheme, is_encoder_decoder=True, vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+        num_hidden_layers=2, num_decoder_layers=3, intermediate_size=64, max_position_embeddings=64,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, max_relative_position=3,
+        initializer_range=0.3, pad_token_id=0, eos_token_id=None, decoder_start_token_id=0,
+    )
+    kwargs.update(overrides)
+    return RelPosConfig(**kwargs)
+
+
+def model_for(scheme="t5_bias", seed=0, **overrides) -> RelPosForConditionalGeneration:
+    torch.manual_seed(seed)
+    return RelPosForConditionalGeneration(seq2seq_config(scheme, **overrides)).eval()
+
+
+def padded_source(batch=3, length=11, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(2, VOCAB, (batch, length), generator=generator)
+    mask = torch.ones_like(source)
+    mask[1, :3] = 0
+    mask[2, -4:] = 0
+    return source.masked_fill(mask == 0, 0), mask
+
+
+# ---------------------------------------------------------------------------
+# 1. conversion of upstream T5: logits and generate outputs
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", list(T5_KINDS))
+def test_from_t5_matches_upstream_logits_and_generate(kind, impl):
+    upstream = random_t5(kind, seed=3)
+    upstream.set_attn_implementation(impl)
+    converted = hf_relpos.from_t5(upstream)
+    assert type(converted) is RelPosForConditionalGeneration
+    result = t5_parity(upstream, converted, seed=4)
+    # The logits must be large enough for a misplaced weight to show, and equal to fp32 rounding.
+    assert result["max_abs_logit"] > 0.3, result
+    assert result["max_abs_logit_diff"] <= 1e-5, result
+    assert result["greedy_identical"] and result["beam_identical"], result
+
+
+def test_from_t5_is_exact_when_the_query_factor_is_a_power_of_two():
+    """With d_kv = 16, sqrt(d_kv) = 4 folds into the query weights without rounding: eager logits are bit-identical."""
+    upstream = random_t5("v1.1/Flan (gated GELU, untied)", seed=5)
+    upstream.config.d_kv = 16
+    from transformers import T5ForConditionalGeneration
+
+    config = upstream.config
+    config.d_kv = 16
+    torch.manual_seed(5)
+    upstream = T5ForConditionalGeneration(config).eval()
+    upstream.set_attn_implementation("eager")
+    with torch.no_grad():
+        for param in upstream.parameters():
+            param.normal_(0.0, param.shape[-1] ** -0.5)
+    converted = hf_relpos.from_t5(upstream)
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 6))
+    with torch.no_grad():
+        expected = upstream(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+        got = converted(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+    assert torch.equal(expected, got), (expected - got).abs().max()
+
+
+def test_from_t5_maps_every_weight_to_its_place():
+    """A wrong mapping of any one weight (swapped norms, a missing query factor) must change the logits."""
+    upstream = random_t5("v1.0 (ReLU, tied output rescaled)", seed=6)
+    converted = hf_relpos.from_t5(upstream)
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 6))
+    with torch.no_grad():
+        base = converted(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+        for name in ("decoder.layers.0.encoder_attn_layernorm.weight", "encoder.layers.1.self_attn.q_proj.weight",
+                     "decoder.position.relative_attention_bias.weight", "encoder.norm.weight"):
+            param = converted.get_parameter(name)
+            saved = param.clone()
+            param.mul_(1.5)
+            changed = converted(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+            param.copy_(saved)
+            assert (changed - base).abs().max() > 1e-3, name
+
+
+def test_from_t5_refuses_other_models():
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration"):
+        hf_relpos.from_t5(model_for())
+
+
+# ---------------------------------------------------------------------------
+# 2. decoding: the cache against the full forward, for every scheme
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", SEQ2SEQ_SCHEMES)
+def test_cached_decoding_steps_equal_the_full_forward(scheme):
+    """Decoder self-attention grows one bias row per token, cross-attention keys come from the cache."""
+    model = model_for(scheme, seed=2)
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        full = model(input_ids=source, attention_mask=mask, decoder_input_ids=target, use_cache=False).logits
+        encoder = model.get_encoder()(input_ids=source, attention_mask=mask)
+        cache, steps = None, []
+        for i in range(target.shape[1]):
+            out = model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=target[:, i : i + 1],
+                        past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+    assert cache.self_attention_cache.get_seq_length() == target.shape[1]
+    assert cache.cross_attention_cache.get_seq_length() == source.shape[1]  # projected once, not per step
+
+
+@pytest.mark.parametrize("scheme", SEQ2SEQ_SCHEMES)
+@pytest.mark.parametrize("layers", [(2, 3), (3, 1)])
+def test_generate_cached_equals_uncached(scheme, layers):
+    model = model_for(scheme, seed=4, num_hidden_layers=layers[0], num_decoder_layers=layers[1])
+    source, mask = padded_source()
+    for beams in (1, 3):
+        kwargs = dict(input_ids=source, attention_mask=mask, max_new_tokens=8, do_sample=False, num_beams=beams)
+        cached = model.generate(**kwargs)
+        assert torch.equal(cached, model.generate(**kwargs, use_cache=False)), (scheme, beams)
+        assert cached.shape == (3, 9) and (cached[:, 0] == model.config.decoder_start_token_id).all()
+
+
+# ---------------------------------------------------------------------------
+# 3. labels, loss, outputs, errors
+# ---------------------------------------------------------------------------
+
+
+def test_labels_give_t5s_shifted_decoder_inputs_and_the_cross_entropy():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = model_for(decoder_start_token_id=5)
+    source, mask = padded_source()
+    labels = torch.randint(2, VOCAB, (3, 6))
+    labels[0, -2:] = -100
+    upstream = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=8, d_kv=2, d_ff=8, num_layers=1,
+                                                   num_heads=4, decoder_start_token_id=5, pad_token_id=0))
+    shifted = upstream._shift_right(labels)
+    assert torch.equal(model._shift_right(labels), shifted)
+    out = model(input_ids=source, attention_mask=mask, labels=labels)
+    explicit = model(input_ids=source, attention_mask=mask, decoder_input_ids=shifted)
+    torch.testing.assert_close(out.logits, explicit.logits)
+    keep = labels != -100
+    expected = -F.log_softmax(explicit.logits.double(), dim=-1)[keep].gather(-1, labels[keep][:, None]).mean()
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_output_flags_give_encoder_decoder_and_cross_attentions():
+    model = model_for("alibi")
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 5))
+    out = model(input_ids=source, attention_mask=mask, decoder_input_ids=target, output_attentions=True,
+                output_hidden_states=True)
+    assert len(out.encoder_attentions) == 2 and out.encoder_attentions[0].shape == (3, 4, 11, 11)
+    assert len(out.decoder_attentions) == 3 and out.decoder_attentions[0].shape == (3, 4, 5, 5)
+    assert len(out.cross_attentions) == 3 and out.cross_attentions[0].shape == (3, 4, 5, 11)
+    assert len(out.encoder_hidden_states) == 3 and len(out.decoder_hidden_states) == 4
+    # cross-attention probabilities: padded source positions get none, each row sums to one
+    cross = out.cross_attentions[1]
+    assert (cross[2, :, :, -4:] == 0).all() and (cross[1, :, :, :3] == 0).all()
+    torch.testing.assert_close(cross.sum(-1), torch.ones(3, 4, 5))
+    # decoder self-attention is causal
+    assert (out.decoder_attentions[0].triu(1) == 0).all()
+
+
+def test_an_all_padding_source_gives_finite_logits():
+    model = model_for("t5_bias")
+    source, mask = padded_source()
+    mask[0] = 0
+    for impl in ("eager", "sdpa"):
+        model.set_attn_implementation(impl)
+        out = model(input_ids=source, attention_mask=mask, decoder_input_ids=torch.ones(3, 4, dtype=torch.long))
+        assert torch.isfinite(out.logits).all(), impl
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = model_for()
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 5))
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        model(input_ids=source, attention_mask=mask[:, :-1], decoder_input_ids=target)
+    encoded = model.get_encoder()(input_ids=source, attention_mask=mask)
+    with pytest.raises(ValueError, match="encoder_attention_mask"):
+        model(encoder_outputs=encoded, attention_mask=mask[:, :-1], decoder_input_ids=target)
+    with pytest.raises(ValueError, match="encoder_hidden_states"):
+        model.decoder(input_ids=target)
+    with pytest.raises(ValueError, match="labels"):
+        model(input_ids=source, attention_mask=mask, labels=target[0])
+    with pytest.raises(ValueError, match="input_ids"):
+        model(input_ids=source + VOCAB, attention_mask=mask, decoder_input_ids=target)
+    with pytest.raises(ValueError, match="is_encoder_decoder"):
+        RelPosForConditionalGeneration(RelPosConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4))
+    with pytest.raises(ValueError, match="position_encoding"):
+        seq2seq_config("nope")
+
+
+# ---------------------------------------------------------------------------
+# 4. training: gradients, checkpointing, Seq2SeqTrainer
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["t5_bias", "shaw", "transformer_xl"])
+def test_gradient_checkpointing_gives_the_same_gradients(scheme):
+    """The encoder's states enter each decoder layer positionally, so reentrant checkpointing carries their gradient."""
+    source, mask = padded_source()
+    labels = torch.randint(2, VOCAB, (3, 6))
+    grads = []
+    for checkpointing in (False, True):
+        model = model_for(scheme, seed=7).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        model(input_ids=source, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert any(n.startswith("encoder.layers.0") for n in grads[1])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_seq2seq_trainer_fine_tuning_lowers_the_loss(tmp_path):
+    """A copy task through Seq2SeqTrainer and DataCollatorForSeq2Seq (decoder inputs from the model's shift)."""
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    torch.manual_seed(0)
+    model = RelPosForConditionalGeneration(seq2seq_config("t5_bias", initializer_range=0.02, eos_token_id=1))
+    examples = []
+    for _ in range(64):
+        ids = torch.randint(2, 10, (int(torch.randint(3, 8, ())),)).tolist()
+        examples.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ids + [1]})
+
+    class Tokenizer:  # what DataCollatorForSeq2Seq asks of a tokenizer: padding of input_ids
+        pad_token_id, padding_side, model_input_names = 0, "right", ["input_ids", "attention_mask"]
+
+        def pad(self, features, return_tensors="pt", **kwargs):
+            width = max(len(f["input_ids"]) for f in features)
+            return {k: torch.tensor([f[k] + [0] * (width - len(f[k])) for f in features]) for k in features[0]}
+
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), max_steps=60, per_device_train_batch_size=16, learning_rate=1e-2,
+        logging_steps=5, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+    )
+    collator = DataCollatorForSeq2Seq(Tokenizer(), model=model, label_pad_token_id=-100)
+    batch = collator(examples[:2])
+    assert torch.equal(batch["decoder_input_ids"], model._shift_right(batch["labels"]))
+    trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=examples, data_collator=collator)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert all(math.isfinite(loss) for loss in losses)
+
+
+# ---------------------------------------------------------------------------
+# 5. saving, remote code, the command line
+# ---------------------------------------------------------------------------
+
+
+def _remote_logits(folder, tmp_path, source, mask, target):
+    """Load ``folder`` with AutoModelForSeq2SeqLM in a process that cannot import hf_relpos; its logits."""
+    torch.save((source, mask, target), tmp_path / "inputs.pt")
+    code = textwrap.dedent(
+        f"""
+        import sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "hf_relpos" or name.startswith("hf_relpos."):
+                    raise ImportError("hf_relpos is blocked in this process")
+
+        sys.meta_path.insert(0, Block())
+        import torch
+        from transformers import AutoModelForSeq2SeqLM
+        model = AutoModelForSeq2SeqLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules") and "hf_relpos" not in sys.modules
+        source, mask, target = torch.load({str(tmp_path / 'inputs.pt')!r})
+        with torch.no_grad():
+            logits = model(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+        tokens = model.generate(input_ids=source, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        torch.save((logits, tokens), {str(tmp_path / 'remote.pt')!r})
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=180, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(tmp_path / "remote.pt")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_auto_class_reload_through_remote_code(tmp_path, tied):
+    model = model_for("shaw", tie_word_embeddings=tied, feed_forward_proj="gated-gelu", head_dim=6)
+    model.save_pretrained(tmp_path / "model")
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 5))
+    logits, tokens = _remote_logits(tmp_path / "model", tmp_path, source, mask, target)
+    with torch.no_grad():
+        expected = model(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+    assert torch.equal(logits, expected)
+    assert torch.equal(tokens, model.generate(input_ids=source, attention_mask=mask, max_new_tokens=5, do_sample=False))
+
+
+def test_convert_t5_command_writes_a_folder_with_upstreams_logits(tmp_path, capsys):
+    upstream = random_t5("num_heads*d_kv != d_model", seed=8)
+    upstream.save_pretrained(tmp_path / "t5")
+    out = tmp_path / "converted"
+    assert cli_main(["convert-t5", str(tmp_path / "t5"), str(out)]) == 0
+    assert "greedy identical" in capsys.readouterr().out
+    assert "parity with the source" in (out / "README.md").read_text()
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 5))
+    logits, tokens = _remote_logits(out, tmp_path, source, mask, target)
+    with torch.no_grad():
+        expected = upstream(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+    assert (logits - expected).abs().max() <= 1e-5
+    assert torch.equal(tokens, upstream.generate(input_ids=source, attention_mask=mask, max_new_tokens=5, do_sample=False))
+
+    # nothing is replaced without --overwrite; a missing source is one line, exit 2
+    before = (out / "model.safetensors").read_bytes()
+    assert cli_main(["convert-t5", str(tmp_path / "t5"), str(out)]) == 2
+    assert (out / "model.safetensors").read_bytes() == before
+    assert cli_main(["convert-t5", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("hf-relpos convert-t5: error:") for line in err), err
+    assert not (tmp_path / "x").exists()
