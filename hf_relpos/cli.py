@@ -564,11 +564,17 @@ def load_folder(folder: str):
     if not (path / "config.json").is_file():
         raise UserError(f"folder {folder!r} holds no config.json: pass a folder written by `hf-relpos train`")
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        config = json.loads((path / "config.json").read_text())
     except ValueError:
         raise UserError(f"{folder}/config.json is not valid JSON") from None
+    model_type = config.get("model_type")
     if model_type != "relpos":
         raise UserError(f"folder {folder!r} holds a model of model_type {model_type!r}, not an hf-relpos model ('relpos')")
+    if config.get("is_encoder_decoder"):
+        raise UserError(
+            f"folder {folder!r} holds an encoder-decoder (RelPosForConditionalGeneration): this command reads the "
+            "causal language models `hf-relpos train` writes; load it with AutoModelForSeq2SeqLM (README: encoder-decoder)"
+        )
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise UserError(
             f"folder {folder!r} has no tokenizer (tokenizer.json): pass the model folder written by `hf-relpos train`, "

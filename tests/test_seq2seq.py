@@ -351,3 +351,9 @@ def test_convert_t5_command_writes_a_folder_with_upstreams_logits(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("hf-relpos convert-t5: error:") for line in err), err
     assert not (tmp_path / "x").exists()
+
+    # the causal-LM commands refuse an encoder-decoder folder in one line
+    for command in ("generate", "eval", "inspect"):
+        assert cli_main([command, str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "encoder-decoder" in err[0], err
