@@ -974,7 +974,8 @@ _AUTO_CLASS_OF = {
 class RelPosModel(RelPosPreTrainedModel):
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
+        # An encoder-decoder's pad id is also its decoder start token (T5): its row is trained, as upstream's.
+        self.padding_idx = None if config.is_encoder_decoder else config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.position = POSITION_SCHEMES[config.position_encoding](config)
         if self.position.token_init_std is not None:
@@ -1527,7 +1528,7 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
             )
         super().__init__(config)
         self.loss_type = "ForMaskedLM"  # labels are aligned with the logits (no shift inside the loss), as T5's
-        self.shared = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.shared = nn.Embedding(config.vocab_size, config.hidden_size)  # no padding_idx: see RelPosModel
         self.encoder = RelPosModel(config.stack_config(decoder=False))
         self.decoder = RelPosCrossDecoder(config.stack_config(decoder=True))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
