@@ -122,11 +122,13 @@ class RelPosMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.attention_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.attention_bias)
         self.act_fn = ACT2FN[act]
+        # An encoder-decoder drops the activations too, as T5's DenseReluDense (decoder-only models do not).
+        self.dropout = nn.Dropout(config.hidden_dropout) if config.is_encoder_decoder else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is None:
-            return self.down_proj(self.act_fn(self.up_proj(x)))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.dropout(self.act_fn(self.up_proj(x))))
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
 
 
 def eager_attention_forward(
@@ -1231,6 +1233,8 @@ class RelPosModel(RelPosPreTrainedModel):
                 ctx=ctx, memory=memory, past_key_values=cache, encoder_mask=encoder_mask,
             )
         hidden_states = self.norm(hidden_states)
+        if config.is_encoder_decoder:  # T5's stacks drop their normed output (decoder-only models do not)
+            hidden_states = self.dropout(hidden_states)
         if cross:
             return BaseModelOutputWithPastAndCrossAttentions(
                 last_hidden_state=hidden_states, past_key_values=cache if use_cache else None
