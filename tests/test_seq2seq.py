@@ -452,3 +452,22 @@ def test_from_t5_of_a_float16_upstream_stays_finite(tmp_path):
     assert torch.isfinite(expected).all() and (expected - reference).abs().max() < 0.05  # upstream copes
     assert torch.isfinite(got).all(), "converted float16 model gives inf/NaN logits"
     assert (got - reference).abs().max() < 0.05
+
+
+def test_from_t5_one_sgd_step_gives_upstreams_logits():
+    """Fine-tuning parity: after one SGD step on the same batch, a converted model must still give upstream's
+    logits. Folding sqrt(head_dim) into the query weights keeps the forward but not the training: the
+    converted query weights get gradient g/sqrt(d) for weights sqrt(d) larger, so the effective query moves
+    d times less under SGD (sqrt(d) under Adam) and weight decay acts on scaled weights."""
+    inputs = _train_inputs()
+    models = []
+    for _ in range(2):
+        upstream = random_t5("v1.1/Flan (gated GELU, untied)", seed=3).train()  # dropout_rate=0.0
+        models.append(upstream if not models else hf_relpos.from_t5(upstream).train())
+    for model in models:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(**inputs).loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        expected, got = (model.eval()(**inputs).logits for model in models)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
