@@ -122,11 +122,13 @@ class RelPosMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.attention_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.attention_bias)
         self.act_fn = ACT2FN[act]
+        # An encoder-decoder drops the activations too, as T5's DenseReluDense (decoder-only models do not).
+        self.dropout = nn.Dropout(config.hidden_dropout) if config.is_encoder_decoder else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is None:
-            return self.down_proj(self.act_fn(self.up_proj(x)))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.dropout(self.act_fn(self.up_proj(x))))
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
 
 
 def eager_attention_forward(
@@ -974,7 +976,8 @@ _AUTO_CLASS_OF = {
 class RelPosModel(RelPosPreTrainedModel):
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
+        # An encoder-decoder's pad id is also its decoder start token (T5): its row is trained, as upstream's.
+        self.padding_idx = None if config.is_encoder_decoder else config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.position = POSITION_SCHEMES[config.position_encoding](config)
         if self.position.token_init_std is not None:
@@ -1230,6 +1233,8 @@ class RelPosModel(RelPosPreTrainedModel):
                 ctx=ctx, memory=memory, past_key_values=cache, encoder_mask=encoder_mask,
             )
         hidden_states = self.norm(hidden_states)
+        if config.is_encoder_decoder:  # T5's stacks drop their normed output (decoder-only models do not)
+            hidden_states = self.dropout(hidden_states)
         if cross:
             return BaseModelOutputWithPastAndCrossAttentions(
                 last_hidden_state=hidden_states, past_key_values=cache if use_cache else None
@@ -1527,7 +1532,7 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
             )
         super().__init__(config)
         self.loss_type = "ForMaskedLM"  # labels are aligned with the logits (no shift inside the loss), as T5's
-        self.shared = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.shared = nn.Embedding(config.vocab_size, config.hidden_size)  # no padding_idx: see RelPosModel
         self.encoder = RelPosModel(config.stack_config(decoder=False))
         self.decoder = RelPosCrossDecoder(config.stack_config(decoder=True))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -1551,6 +1556,14 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
 
     def get_encoder(self, modality: Optional[str] = None):
         return self.encoder
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        """Transformers updates ``config.vocab_size``; the stacks' configs are copies (``stack_config``) and
+        check token ids against their own ``vocab_size``, so they follow."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        for stack in (self.encoder, self.decoder):
+            stack.config.vocab_size = self.config.vocab_size
+        return embeddings
 
     def _shift_right(self, labels: torch.Tensor) -> torch.Tensor:
         """T5's decoder inputs from labels: ``decoder_start_token_id`` then the labels but the last, ``-100`` as padding."""
