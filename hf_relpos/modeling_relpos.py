@@ -1552,6 +1552,14 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
     def get_encoder(self, modality: Optional[str] = None):
         return self.encoder
 
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """Transformers updates ``config.vocab_size``; the stacks' configs are copies (``stack_config``) whose
+        ``vocab_size`` bounds the token ids each stack accepts: they follow."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        for stack in (self.encoder, self.decoder):
+            stack.config.vocab_size = self.config.vocab_size
+        return embeddings
+
     def _shift_right(self, labels: torch.Tensor) -> torch.Tensor:
         """T5's decoder inputs from labels: ``decoder_start_token_id`` then the labels but the last, ``-100`` as padding."""
         start, pad = self.config.decoder_start_token_id, self.config.pad_token_id

@@ -224,6 +224,24 @@ def test_bad_inputs_raise_clear_errors():
         seq2seq_config("nope")
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_resize_token_embeddings_reaches_both_stacks(tied):
+    """The stacks' configs are copies of the model's: resizing must update their vocab_size (their id check) too."""
+    model = model_for(tie_word_embeddings=tied)
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 5))
+    model.resize_token_embeddings(VOCAB + 10)
+    assert model.encoder.config.vocab_size == model.decoder.config.vocab_size == VOCAB + 10
+    source[:, 1], target[:, 2] = VOCAB + 9, VOCAB + 9  # ids only the resized table has
+    out = model(input_ids=source, attention_mask=mask, decoder_input_ids=target)
+    assert out.logits.shape == (3, 5, VOCAB + 10)
+    assert model.encoder.embed_tokens is model.decoder.embed_tokens is model.shared
+    model.resize_token_embeddings(VOCAB - 5)
+    assert model.encoder.config.vocab_size == model.decoder.config.vocab_size == VOCAB - 5
+    with pytest.raises(ValueError, match="vocab_size=56"):
+        model(input_ids=source, attention_mask=mask, decoder_input_ids=target.clamp(max=VOCAB - 6))
+
+
 # ---------------------------------------------------------------------------
 # 4. training: gradients, checkpointing, Seq2SeqTrainer
 # ---------------------------------------------------------------------------
