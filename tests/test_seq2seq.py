@@ -151,6 +151,59 @@ def test_generate_cached_equals_uncached(scheme, layers):
         assert cached.shape == (3, 9) and (cached[:, 0] == model.config.decoder_start_token_id).all()
 
 
+@pytest.mark.parametrize("scheme", ["t5_bias", "rope"])
+def test_sliding_window_limits_self_attention_never_the_source(scheme):
+    """With sliding_window, both stacks' self-attention is windowed; cross-attention and its cache keep the whole
+    source (Transformers builds generate's cross-attention cache from the decoder's config: it must not slide)."""
+    window = 3
+    model = model_for(scheme, seed=6, sliding_window=window)
+    assert model.encoder.config.sliding_window == model.decoder.config.sliding_window == window
+    unwindowed = model_for(scheme, seed=6)
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        out = model(input_ids=source, attention_mask=mask, decoder_input_ids=target, output_attentions=True,
+                    use_cache=False)
+        assert not torch.allclose(out.logits, unwindowed(input_ids=source, attention_mask=mask,
+                                                         decoder_input_ids=target).logits)
+        # the encoder sees |i - j| <= window, the decoder i - j < window; cross-attention reaches every live source token
+        i, j = torch.arange(11)[:, None], torch.arange(11)[None]
+        assert (out.encoder_attentions[0][0][:, (i - j).abs() > window] == 0).all()
+        i, j = torch.arange(7)[:, None], torch.arange(7)[None]
+        assert (out.decoder_attentions[0][:, :, (i - j) >= window] == 0).all()
+        assert (out.cross_attentions[0][0, :, -1, :] > 0).all()
+        model.set_attn_implementation("sdpa")
+        sdpa = model(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+        torch.testing.assert_close(sdpa, out.logits, rtol=1e-4, atol=1e-5)
+        # cached decoding, one token at a time, with the cache a plain forward builds
+        encoder = model.get_encoder()(input_ids=source, attention_mask=mask)
+        cache, steps = None, []
+        for t in range(target.shape[1]):
+            step = model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=target[:, t : t + 1],
+                         past_key_values=cache, use_cache=True)
+            cache, steps = step.past_key_values, steps + [step.logits]
+        assert cache.cross_attention_cache.layers[0].keys.shape[2] == source.shape[1]
+    torch.testing.assert_close(torch.cat(steps, dim=1), out.logits, rtol=1e-4, atol=1e-5)
+    # generate: dynamic and static caches (built by Transformers from the decoder's config) against no cache
+    kwargs = dict(input_ids=source, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for beams in (1, 3):
+        uncached = model.generate(**kwargs, num_beams=beams, use_cache=False)
+        assert torch.equal(model.generate(**kwargs, num_beams=beams), uncached), beams
+    assert torch.equal(model.generate(**kwargs, cache_implementation="static"), model.generate(**kwargs, use_cache=False))
+
+
+def test_a_sliding_cross_attention_cache_is_refused():
+    """A cache the caller built from the model's config slides in every layer: cross-attention would lose the source."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    model = model_for(sliding_window=3)
+    source, mask = padded_source()
+    cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="cross_attention_cache"):
+        model(input_ids=source, attention_mask=mask, decoder_input_ids=torch.ones(3, 2, dtype=torch.long),
+              past_key_values=cache)
+
+
 # ---------------------------------------------------------------------------
 # 3. labels, loss, outputs, errors
 # ---------------------------------------------------------------------------
