@@ -50,8 +50,9 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
 
 # Transformers' own common model tests (ModelTesterMixin, GenerationTesterMixin, ConfigTester) on every
-# scheme, causal and bidirectional, from the Transformers sdist (see scripts/upstream_common_tests.py).
-# UPSTREAM_ARGS are pytest arguments, e.g. make upstream-tests UPSTREAM_ARGS="-q -k Rope -x"; RELPOS_SCHEMES, RELPOS_PROBE too.
+# scheme, causal, bidirectional and encoder-decoder, from the Transformers sdist (see scripts/upstream_common_tests.py).
+# UPSTREAM_ARGS are pytest arguments, e.g. make upstream-tests UPSTREAM_ARGS="-q -k Rope -x"; RELPOS_SCHEMES,
+# RELPOS_MODES (causal,bidirectional,seq2seq), RELPOS_PROBE too.
 UPSTREAM_STAMP := $(VENV)/.upstream-test-deps
 UPSTREAM_ARGS ?= -q -n 2
 

@@ -52,7 +52,8 @@ class RelPosConfig(PreTrainedConfig):
     and ``scale_decoder_outputs`` (T5 v1.0's ``hidden_size**-0.5`` before a tied output layer).
     ``sliding_window=W`` lets each query attend only to the ``W`` latest positions (itself included;
     bidirectional: distances up to ``W`` on both sides), in the model's masks and in Transformers' caches;
-    for Transformer-XL with memory it is ``mem_len + 1``.
+    for Transformer-XL with memory it is ``mem_len + 1``. In an encoder-decoder it limits both stacks'
+    self-attention; cross-attention (and its cache) always covers the whole source.
 
     Example:
 
@@ -243,8 +244,9 @@ class RelPosConfig(PreTrainedConfig):
             )
 
     def _check_encoder_decoder(self) -> None:
-        """What an encoder-decoder needs: a scheme defined for the bidirectional encoder, no memory or window
-        (Transformers builds the cross-attention cache from the same config: a window would cut the source)."""
+        """What an encoder-decoder needs: a scheme defined for the bidirectional encoder, and no Transformer-XL
+        memory (its ``mems`` belong to a decoder-only forward). A ``sliding_window`` applies to both stacks'
+        self-attention, never to cross-attention, which always sees the whole source."""
         if self.position_encoding in CAUSAL_ONLY:
             allowed = [p for p in POSITION_ENCODINGS if p not in CAUSAL_ONLY]
             raise ValueError(
@@ -302,8 +304,6 @@ class RelPosConfig(PreTrainedConfig):
     def _check_window(self, window) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"RelPosConfig.sliding_window must be None or an int >= 1, got {window!r}")
-        if window is not None and getattr(self, "is_encoder_decoder", False) is True:
-            raise ValueError(f"RelPosConfig.sliding_window must be None for an encoder-decoder, got {window!r}")
         memory = self.memory_window
         if memory is not None and window not in (None, memory):
             raise ValueError(

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -811,6 +811,12 @@ class RelPosCrossAttention(nn.Module):
         batch, length, _ = hidden_states.shape
         query = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         cache = past_key_values.cross_attention_cache if past_key_values is not None else None
+        if cache is not None and any(cache.is_sliding[self.layer_idx : self.layer_idx + 1]):
+            raise ValueError(
+                "past_key_values.cross_attention_cache has sliding-window layers (a cache built from a config with "
+                "sliding_window): they would keep only the last source tokens. Build it without the window, e.g. "
+                "EncoderDecoderCache(DynamicCache(config=config), DynamicCache()), as generate does"
+            )
         if cache is not None and past_key_values.is_updated.get(self.layer_idx):
             key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
         else:
@@ -1159,7 +1165,8 @@ class RelPosModel(RelPosPreTrainedModel):
             use_cache = False  # Transformer-XL memory replaces the cache within a forward with mems
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=config)
-            cache = EncoderDecoderCache(past_key_values, DynamicCache(config=config)) if cross else past_key_values
+            # The cross-attention cache holds the whole source: no window, whatever the config's sliding_window.
+            cache = EncoderDecoderCache(past_key_values, DynamicCache()) if cross else past_key_values
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -1546,6 +1553,29 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
             del tied["lm_head.weight"]
         return tied
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """Transformers builds generate's cross-attention cache from the decoder's config, so with a
+        ``sliding_window`` its layers would keep only the last source tokens: rebuild it without the window, of
+        the same kind (dynamic or static, offloaded or not), as upstream T5Gemma does."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if (
+            not isinstance(cache, EncoderDecoderCache)
+            or getattr(cache, "_is_user_defined", False)
+            or not any(cache.cross_attention_cache.is_sliding)
+        ):
+            return
+        cross = cache.cross_attention_cache
+        config = self.config.get_text_config(decoder=True)
+        config.sliding_window = None
+        if isinstance(cross, StaticCache):
+            source_length = model_kwargs["encoder_outputs"][0].shape[1]
+            cache.cross_attention_cache = StaticCache(
+                config=config, max_cache_len=source_length, offloading=cross.offloading
+            )
+        else:
+            cache.cross_attention_cache = DynamicCache(config=config, offloading=cross.offloading)
+
     def get_input_embeddings(self):
         return self.shared
 
@@ -1557,9 +1587,9 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
     def get_encoder(self, modality: Optional[str] = None):
         return self.encoder
 
-    def resize_token_embeddings(self, *args, **kwargs):
-        """Transformers updates ``config.vocab_size``; the stacks' configs are copies (``stack_config``) and
-        check token ids against their own ``vocab_size``, so they follow."""
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """Transformers updates ``config.vocab_size``; the stacks' configs are copies (``stack_config``) whose
+        ``vocab_size`` bounds the token ids each stack accepts: they follow."""
         embeddings = super().resize_token_embeddings(*args, **kwargs)
         for stack in (self.encoder, self.decoder):
             stack.config.vocab_size = self.config.vocab_size

@@ -1,5 +1,5 @@
 """Run Transformers' own common model tests (ModelTesterMixin, GenerationTesterMixin, ConfigTester)
-against hf_relpos' models, for every position scheme, causal and bidirectional.
+against hf_relpos' models, for every position scheme: causal, bidirectional and encoder-decoder (seq2seq).
 
 Usage (from the project root)::
 
@@ -7,13 +7,18 @@ Usage (from the project root)::
     make upstream-tests UPSTREAM_ARGS="-q -k T5Bias -x"  # pytest arguments pass through
     .venv/bin/python scripts/upstream_common_tests.py [pytest args]
     RELPOS_SCHEMES=t5_bias,shaw .venv/bin/python scripts/upstream_common_tests.py -n 2
+    RELPOS_MODES=seq2seq .venv/bin/python scripts/upstream_common_tests.py -q -n 2   # encoder-decoders only
 
 What it does: this file is both the runner and the test module. Run as a script, it lays out a
 throw-away folder holding Transformers' ``tests`` package (copied from the sdist at run time; nothing
 of Transformers' test code lives in this project), copies itself there as ``test_relpos_upstream.py``
 and runs pytest in that folder, so that ``tests.test_modeling_common`` is Transformers' and not this
-project's ``tests`` package. Imported by that pytest, it defines one test class per (scheme, causal or
-bidirectional) mode from the upstream mixins and a model tester of our own (``RelPosModelTester``).
+project's ``tests`` package. Imported by that pytest, it defines one test class per (scheme, mode) from
+the upstream mixins and model testers of our own: ``RelPosModelTester`` for the causal
+(``RelPosCausal*Test``: RelPosModel, RelPosForCausalLM, RelPosForSequenceClassification) and bidirectional
+(``RelPosBidirectional*Test``) modes, ``RelPosSeq2SeqModelTester`` for the seq2seq mode
+(``RelPosSeq2Seq*Test``: RelPosForConditionalGeneration; input_ids, attention_mask, decoder_input_ids,
+decoder_attention_mask).
 The project's own ``make test`` never collects it (``testpaths = ["tests"]`` and the file name does
 not match ``test_*.py``).
 
@@ -34,9 +39,12 @@ Where the upstream test files come from:
 
 Environment knobs:
 
-- ``RELPOS_SCHEMES``: comma-separated schemes (default: the eight of POSITION_ENCODINGS) and/or config
-  variants from ``_VARIANTS`` below (a Transformer-XL memory, sliding windows, 6 heads, ...); ``all`` =
-  schemes and variants. ``RELPOS_MODES``: ``causal``, ``bidirectional`` (default both).
+- ``RELPOS_SCHEMES``: comma-separated schemes (default: the eleven of POSITION_ENCODINGS, plus the
+  seq2seq-only variant ``t5_bias_deep_decoder``) and/or config variants from ``_VARIANTS`` below (a
+  Transformer-XL memory, sliding windows, 6 heads, a decoder deeper than the encoder, ...); ``all`` =
+  schemes and variants. ``RELPOS_MODES``: comma-separated ``causal``, ``bidirectional``, ``seq2seq``
+  (default all three). A (scheme, mode) pair that a config refuses is left out: ``fire`` and ``nope`` are
+  causal only (no bidirectional or seq2seq class), seq2seq takes no Transformer-XL memory.
 - ``RELPOS_PROBE=1``: also run the upstream tests that hf_relpos' own class flags
   (``_can_compile_fullgraph``, ``_supports_attention_backend``) or its string annotations switch off,
   by flipping them in the test process (see the comment at ``RELPOS_PROBE`` below).
@@ -44,9 +52,10 @@ Environment knobs:
   (the tally is always printed at the end of the run).
 - ``RELPOS_KEEP_RUN_DIR=1`` keeps the throw-away folder; ``OMP_NUM_THREADS`` defaults to 1.
 
-A full run (11 schemes, causal and bidirectional but for the causal-only ``fire`` and ``nope``: 2,578 passed,
-1,672 skipped, 2026-11-23) takes 2-6 minutes with ``-n 2``
-on 2 CPU cores (5.6 measured on a busy machine).
+A full run (11 schemes causal, 9 bidirectional, 9 seq2seq plus ``t5_bias_deep_decoder``: 3,974 passed, 0 failed,
+2,656 skipped as pytest counts them, of which seq2seq 1,396 passed, 984 skipped) takes 4-7 minutes with
+``-n 2`` on 2 CPU cores (6.5 measured on a busy machine); ``RELPOS_MODES=seq2seq`` alone about 3.
+``RELPOS_PROBE=1`` changes nothing for seq2seq (1,396 passed).
 
 Test-only dependencies the upstream test files need (installed into .venv by ``make upstream-tests``,
 always with ``-c constraints-dev.txt`` so that torch stays pinned):
@@ -54,8 +63,10 @@ always with ``-c constraints-dev.txt`` so that torch stays pinned):
 ``@pytest.mark.timeout``), ``httpx`` (tests/utils/test_configuration_utils.py) and, optionally,
 ``pytest-xdist`` (``-n 2``).
 
-Opt-outs (class attributes that upstream model tests use for tests that do not apply) are listed, with
-their reasons, in ``_OPT_OUTS`` below; there are deliberately very few.
+Opt-outs (class attributes that upstream model tests use for tests that do not apply, or an inherited test
+replaced by a skipped one, as upstream test classes do) are listed, with their reasons, in ``_OPT_OUTS``
+(every class: none), ``_SEQ2SEQ_OPT_OUTS`` (the seq2seq classes: the two base_model_prefix tests, which
+T5's layout does not fit) and ``_VARIANT_OPT_OUTS`` below; there are deliberately very few.
 """
 
 from __future__ import annotations
@@ -280,6 +291,7 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
 
     import torch
 
+    from transformers.cache_utils import StaticCache
     from transformers.models.auto import modeling_auto
     from transformers.testing_utils import require_torch, torch_device
 
@@ -287,6 +299,7 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
         POSITION_ENCODINGS,
         RelPosConfig,
         RelPosForCausalLM,
+        RelPosForConditionalGeneration,
         RelPosForSequenceClassification,
         RelPosModel,
     )
@@ -308,6 +321,7 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
     modeling_auto.MODEL_MAPPING_NAMES.setdefault("relpos", "RelPosModel")
     modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("relpos", "RelPosForCausalLM")
     modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.setdefault("relpos", "RelPosForSequenceClassification")
+    modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.setdefault("relpos", "RelPosForConditionalGeneration")
 
     class RelPosModelTester:
         """Tiny configs and inputs for hf_relpos models (our own tester, in the shape upstream's mixins read)."""
@@ -438,6 +452,242 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
                 full = model(full_ids, attention_mask=full_mask, use_cache=False).last_hidden_state[:, -3:]
             torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
 
+    class RelPosSeq2SeqModelTester:
+        """Tiny encoder-decoder configs and inputs for RelPosForConditionalGeneration (our own tester).
+
+        The source is padded on either side (a bidirectional encoder takes both), the target on the right
+        behind ``decoder_start_token_id`` (as labels are padded). ``seq_length`` is the target's: upstream
+        sizes the labels of a seq2seq LM with it. Source and target have the same length and the stacks the
+        same depth, as upstream's common tests assume (they reuse the source's length and mask for the target
+        and count the decoder's layers by ``num_hidden_layers``); our own ``create_and_check_model`` also feeds
+        a longer source, and the ``t5_bias_deep_decoder`` variant makes the decoder deeper than the encoder.
+        """
+
+        def __init__(
+            self,
+            parent,
+            position_encoding: str,
+            batch_size: int = 13,
+            encoder_seq_length: int = 7,
+            decoder_seq_length: int = 7,
+            is_training: bool = True,
+            vocab_size: int = 99,
+            hidden_size: int = 32,
+            num_hidden_layers: int = 2,
+            num_decoder_layers: int | None = None,
+            num_attention_heads: int = 4,
+            intermediate_size: int = 37,
+            max_position_embeddings: int = 512,
+            pad_token_id: int = 0,
+            eos_token_id: int = 1,
+            bos_token_id: int = 2,
+            decoder_start_token_id: int = 0,
+            initializer_range: float = 0.02,
+            config_overrides: dict | None = None,
+        ):
+            self.parent = parent
+            self.position_encoding = position_encoding
+            self.batch_size = batch_size
+            self.encoder_seq_length = encoder_seq_length
+            self.decoder_seq_length = decoder_seq_length
+            self.seq_length = decoder_seq_length
+            self.is_training = is_training
+            self.vocab_size = vocab_size
+            self.hidden_size = hidden_size
+            self.num_hidden_layers = num_hidden_layers
+            self.num_decoder_layers = num_decoder_layers
+            self.num_attention_heads = num_attention_heads
+            self.intermediate_size = intermediate_size
+            self.max_position_embeddings = max_position_embeddings
+            self.pad_token_id = pad_token_id
+            self.eos_token_id = eos_token_id
+            self.bos_token_id = bos_token_id
+            self.decoder_start_token_id = decoder_start_token_id
+            self.initializer_range = initializer_range
+            self.config_overrides = {}
+            for key, value in (config_overrides or {}).items():
+                if key in ("hidden_size", "num_attention_heads", "intermediate_size", "max_position_embeddings",
+                           "num_decoder_layers"):
+                    setattr(self, key, value)  # fields the upstream tests (or our checks) also read from the tester
+                else:
+                    self.config_overrides[key] = value
+            self.head_dim = self.hidden_size // self.num_attention_heads
+            if self.num_decoder_layers is None:
+                self.num_decoder_layers = self.num_hidden_layers
+
+        def config_kwargs(self) -> dict:
+            kwargs = dict(
+                position_encoding=self.position_encoding,
+                is_encoder_decoder=True,
+                vocab_size=self.vocab_size,
+                hidden_size=self.hidden_size,
+                num_hidden_layers=self.num_hidden_layers,
+                num_decoder_layers=self.num_decoder_layers,
+                num_attention_heads=self.num_attention_heads,
+                intermediate_size=self.intermediate_size,
+                max_position_embeddings=self.max_position_embeddings,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=16,
+                max_relative_position=4,
+                initializer_range=self.initializer_range,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+                bos_token_id=self.bos_token_id,
+                decoder_start_token_id=self.decoder_start_token_id,
+            )
+            kwargs.update(self.config_overrides)
+            return kwargs
+
+        def get_config(self) -> RelPosConfig:
+            return RelPosConfig(**self.config_kwargs())
+
+        def prepare_config_and_inputs(self):
+            # Token ids avoid pad/start (0), eos (1) and bos (2). Source rows: none, 2 left or 2 right pad tokens;
+            # target rows: the start token, then tokens, with 0, 1 or 2 pad tokens at the end.
+            input_ids = ids_tensor([self.batch_size, self.encoder_seq_length], self.vocab_size - 3) + 3
+            attention_mask = torch.ones_like(input_ids)
+            decoder_input_ids = ids_tensor([self.batch_size, self.decoder_seq_length], self.vocab_size - 3) + 3
+            decoder_input_ids[:, 0] = self.decoder_start_token_id
+            decoder_attention_mask = torch.ones_like(decoder_input_ids)
+            for row in range(self.batch_size):
+                if row % 3 == 1:
+                    attention_mask[row, :2] = 0
+                elif row % 3 == 2:
+                    attention_mask[row, -2:] = 0
+                pad = row % 3
+                if pad:
+                    decoder_attention_mask[row, -pad:] = 0
+            input_ids = input_ids.masked_fill(attention_mask == 0, self.pad_token_id)
+            decoder_input_ids = decoder_input_ids.masked_fill(decoder_attention_mask == 0, self.pad_token_id)
+            labels = ids_tensor([self.batch_size, self.decoder_seq_length], self.vocab_size - 3) + 3
+            labels = labels.masked_fill(decoder_attention_mask == 0, -100)
+            return self.get_config(), input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels
+
+        def prepare_config_and_inputs_for_common(self):
+            config, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, _ = (
+                self.prepare_config_and_inputs()
+            )
+            return config, {
+                "input_ids": input_ids,
+                "attention_mask": attention_mask,
+                "decoder_input_ids": decoder_input_ids,
+                "decoder_attention_mask": decoder_attention_mask,
+            }
+
+        # -- our own checks, as upstream testers have them ---------------------------------------
+
+        def create_and_check_model(self, config, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask):
+            """Shapes of every output, with and without masks, for a source 3 tokens longer than the target (a
+            swapped length shows), and the depth of each stack."""
+            model = RelPosForConditionalGeneration(config).to(torch_device).eval()
+            extra = ids_tensor([self.batch_size, 3], self.vocab_size - 3) + 3
+            input_ids = torch.cat([input_ids, extra], dim=-1)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(extra)], dim=-1)
+            with torch.no_grad():
+                out = model(input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+                            decoder_attention_mask=decoder_attention_mask, output_attentions=True,
+                            output_hidden_states=True, use_cache=True)
+                plain = model(input_ids, decoder_input_ids=decoder_input_ids)
+            b, s, t, h, n = (self.batch_size, self.encoder_seq_length + 3, self.decoder_seq_length, self.hidden_size,
+                             self.num_attention_heads)
+            for o in (out, plain):
+                self.parent.assertEqual(tuple(o.logits.shape), (b, t, self.vocab_size))
+                self.parent.assertEqual(tuple(o.encoder_last_hidden_state.shape), (b, s, h))
+            enc, dec = self.num_hidden_layers, self.num_decoder_layers
+            self.parent.assertEqual([tuple(x.shape) for x in out.encoder_attentions], [(b, n, s, s)] * enc)
+            self.parent.assertEqual([tuple(x.shape) for x in out.decoder_attentions], [(b, n, t, t)] * dec)
+            self.parent.assertEqual([tuple(x.shape) for x in out.cross_attentions], [(b, n, t, s)] * dec)
+            self.parent.assertEqual([tuple(x.shape) for x in out.encoder_hidden_states], [(b, s, h)] * (enc + 1))
+            self.parent.assertEqual([tuple(x.shape) for x in out.decoder_hidden_states], [(b, t, h)] * (dec + 1))
+            cache = out.past_key_values
+            self.parent.assertEqual(len(cache.self_attention_cache.layers), dec)
+            self.parent.assertEqual(len(cache.cross_attention_cache.layers), dec)
+            self.parent.assertEqual(cache.get_seq_length(), t)
+            self.parent.assertEqual(tuple(cache.cross_attention_cache.layers[0].keys.shape), (b, n, s, self.head_dim))
+
+        def create_and_check_lm_loss(self, config, input_ids, attention_mask, labels):
+            """labels alone: T5's shifted decoder inputs and the mean cross-entropy over non-ignored labels."""
+            model = RelPosForConditionalGeneration(config).to(torch_device).eval()
+            with torch.no_grad():
+                out = model(input_ids, attention_mask=attention_mask, labels=labels)
+                shifted = model(input_ids, attention_mask=attention_mask,
+                                decoder_input_ids=model.prepare_decoder_input_ids_from_labels(labels))
+            expected = torch.nn.functional.cross_entropy(
+                shifted.logits.reshape(-1, self.vocab_size), labels.reshape(-1), ignore_index=-100
+            )
+            self.parent.assertEqual(out.loss.dim(), 0)
+            torch.testing.assert_close(out.logits, shifted.logits)
+            torch.testing.assert_close(out.loss, expected, atol=1e-5, rtol=1e-5)
+
+        def create_and_check_decoder_past(self, config, input_ids, attention_mask, decoder_input_ids):
+            """Cached decoding of the target's last 3 tokens gives the logits of one uncached forward."""
+            model = RelPosForConditionalGeneration(config).to(torch_device).eval()
+            with torch.no_grad():
+                encoder_outputs = model.get_encoder()(input_ids, attention_mask=attention_mask)
+                full = model(encoder_outputs=encoder_outputs, attention_mask=attention_mask,
+                             decoder_input_ids=decoder_input_ids, use_cache=False).logits
+                past = model(encoder_outputs=encoder_outputs, attention_mask=attention_mask,
+                             decoder_input_ids=decoder_input_ids[:, :-3], use_cache=True).past_key_values
+                steps = []
+                for i in range(self.decoder_seq_length - 3, self.decoder_seq_length):
+                    out = model(encoder_outputs=encoder_outputs, attention_mask=attention_mask,
+                                decoder_input_ids=decoder_input_ids[:, i : i + 1], past_key_values=past, use_cache=True)
+                    past = out.past_key_values
+                    steps.append(out.logits)
+            torch.testing.assert_close(torch.cat(steps, dim=1), full[:, -3:], atol=1e-4, rtol=1e-4)
+
+        def create_and_check_left_padding(self, config):
+            """Left padding of the source and of a decoder prompt changes no logit, cached or not (upstream's
+            test_left_padding_compatibility leaves encoder-decoders out). Absolute positions count from each
+            row's first slot, as in BERT and BART (the seq2seq forward takes no position_ids): those schemes
+            are not expected to pass."""
+            if self.position_encoding in ("sinusoidal", "learned"):
+                self.parent.skipTest("absolute positions count from each row's first slot, padding included")
+            model = RelPosForConditionalGeneration(config).to(torch_device).eval()
+            b, pad = self.batch_size, 3
+            source = ids_tensor([b, self.encoder_seq_length], self.vocab_size - 3) + 3
+            prompt = ids_tensor([b, 4], self.vocab_size - 3) + 3
+            prompt[:, 0] = self.decoder_start_token_id
+
+            def left_pad(ids):
+                filler = torch.full((b, pad), self.pad_token_id, dtype=ids.dtype, device=ids.device)
+                mask = torch.cat([torch.zeros_like(filler), torch.ones_like(ids)], dim=-1)
+                return torch.cat([filler, ids], dim=-1), mask
+
+            padded_source, source_mask = left_pad(source)
+            padded_prompt, prompt_mask = left_pad(prompt)
+            with torch.no_grad():
+                expected = model(source, decoder_input_ids=prompt).logits[:, -1]
+                both = model(padded_source, attention_mask=source_mask, decoder_input_ids=padded_prompt,
+                             decoder_attention_mask=prompt_mask)
+                past = model(padded_source, attention_mask=source_mask, decoder_input_ids=padded_prompt[:, :-1],
+                             decoder_attention_mask=prompt_mask[:, :-1], use_cache=True).past_key_values
+                step = model(padded_source, attention_mask=source_mask, decoder_input_ids=padded_prompt[:, -1:],
+                             decoder_attention_mask=prompt_mask, past_key_values=past)
+            torch.testing.assert_close(both.logits[:, -1], expected, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(step.logits[:, -1], expected, atol=1e-4, rtol=1e-4)
+
+        def create_and_check_static_cache_generate(self, config, input_ids, attention_mask):
+            """generate with a StaticCache (which upstream's test_generate_with_static_cache skips for
+            encoder-decoders) gives the tokens of a dynamic cache and of no cache; its self-attention part is
+            sized by max length and the decoder's depth, its cross-attention part by the source."""
+            config.eos_token_id = None  # generate every step: a longer sequence, nothing padded away
+            model = RelPosForConditionalGeneration(config).to(torch_device).eval()
+            kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+            static = model.generate(**kwargs, cache_implementation="static", return_dict_in_generate=True)
+            self.parent.assertTrue(torch.equal(static.sequences, model.generate(**kwargs)))
+            self.parent.assertTrue(torch.equal(static.sequences, model.generate(**kwargs, use_cache=False)))
+            cache = static.past_key_values
+            self.parent.assertIsInstance(cache.self_attention_cache, StaticCache)
+            self.parent.assertEqual(len(cache.self_attention_cache.layers), self.num_decoder_layers)
+            # every token but the last generated one has been through the decoder (a window keeps the latest)
+            kept = static.sequences.shape[1] - 1
+            kept = min(kept, config.sliding_window) if config.sliding_window else kept
+            self.parent.assertEqual(cache.self_attention_cache.get_max_length(0), kept)
+            cross_keys = cache.cross_attention_cache.layers[0].keys
+            self.parent.assertEqual(tuple(cross_keys.shape),
+                                    (self.batch_size, self.num_attention_heads, input_ids.shape[1], self.head_dim))
+
     # Class attributes that upstream model test classes set for tests that do not apply to a model.
     # Kept to the ones with a reason that holds for every scheme; anything else should fail and be fixed.
     _OPT_OUTS: dict = {
@@ -445,6 +695,25 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
     }
     # Opt-ins: upstream runs test_can_init_all_missing_weights only for models whose modeling file carries a
     # "# Copyright 2023+" header (older models are grandfathered); ours has none but is new: run it.
+    def _skipped(reason: str):
+        """A test method that upstream's would be replaced by, skipped with ``reason`` (as upstream test classes
+        override an inherited test that does not apply with ``@unittest.skip``)."""
+
+        @unittest.skip(reason=reason)
+        def test(self):
+            pass
+
+        return test
+
+    # RelPosForConditionalGeneration only (the RelPosSeq2Seq*Test classes). It has T5's layout (shared, encoder,
+    # decoder, lm_head): no base model under base_model_prefix, as T5ForConditionalGeneration, whose upstream test
+    # skips test_model_base_model_prefix for that reason; its stacks are RelPosModel where T5's are T5Stack.
+    _SEQ2SEQ_OPT_OUTS: dict = {
+        "test_model_base_model_prefix": _skipped("T5's layout: no base model without a head (as upstream T5)"),
+        "test_base_model_prefix_loads_base_weights": _skipped(
+            "T5's layout: the encoder stack is a RelPosModel, not the head's base model (T5's stacks are T5Stack)"
+        ),
+    }
     _OPT_INS: dict = {"test_can_init_all_missing_weights_before_2023": True}
 
     # RELPOS_PROBE=1: also run the upstream tests that hf_relpos' own class flags switch off, by flipping
@@ -456,7 +725,7 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
     # - modeling_relpos.py's `from __future__ import annotations` leaves `**kwargs: Unpack[TransformersKwargs]`
     #   a string, so upstream's `_can_output_attn` (which reads that annotation) decides that the models
     #   cannot return attentions and skips test_eager_matches_sdpa_inference's output_attentions case:
-    #   resolve the annotations of the three forwards.
+    #   resolve the annotations of the four forwards.
     # Failures found this way are real (the model accepts those inputs) but upstream would not run them
     # for a model declaring these flags, so a probe run is reported apart from the plain run.
     if os.environ.get("RELPOS_PROBE") == "1":
@@ -467,7 +736,7 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
 
         RelPosPreTrainedModel._can_compile_fullgraph = True
         RelPosPreTrainedModel._supports_attention_backend = True
-        for _model_class in (RelPosModel, RelPosForCausalLM, RelPosForSequenceClassification):
+        for _model_class in (RelPosModel, RelPosForCausalLM, RelPosForSequenceClassification, RelPosForConditionalGeneration):
             _forward = inspect.unwrap(_model_class.forward)
             _forward.__annotations__ = typing.get_type_hints(_forward, include_extras=True)
 
@@ -483,12 +752,28 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
         "transformer_xl_clamp2": ("transformer_xl", {"clamp_len": 2}),
         "alibi_6heads": ("alibi", {"hidden_size": 48, "num_attention_heads": 6}),  # slopes for a non-power of 2
         "t5_bias_6heads": ("t5_bias", {"hidden_size": 48, "num_attention_heads": 6, "relative_attention_num_buckets": 6}),
+        # seq2seq only: a decoder deeper than the encoder (3 and 2 layers), so that a swapped depth shows (generate
+        # sizes its caches by the decoder's depth, through get_text_config(decoder=True)).
+        "t5_bias_deep_decoder": ("t5_bias", {"num_decoder_layers": 3}),
+    }
+    _SEQ2SEQ_VARIANTS = ("t5_bias_deep_decoder",)
+    # Per variant: upstream tests whose expectations the variant breaks by construction.
+    _VARIANT_OPT_OUTS: dict = {
+        "t5_bias_deep_decoder": {
+            # upstream counts the decoder's attentions and hidden states by num_hidden_layers, the encoder's depth
+            # (our create_and_check_model counts each stack's)
+            "test_attention_outputs": _skipped("upstream counts the decoder's layers by the encoder's depth"),
+            "test_hidden_states_output": _skipped("upstream counts the decoder's layers by the encoder's depth"),
+        },
     }
 
     def _class_stem(scheme: str) -> str:
         return "".join(part.capitalize() for part in scheme.split("_"))
 
-    def _make_test_class(variant: str, is_decoder: bool):
+    def _make_test_class(variant: str, mode: str):
+        if mode == "seq2seq":
+            return _make_seq2seq_test_class(variant)
+        is_decoder = mode == "causal"
         scheme, overrides = _VARIANTS.get(variant, (variant, {}))
         mode = "Causal" if is_decoder else "Bidirectional"
         model_classes = (
@@ -547,6 +832,70 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
             namespace["test_decoder_model_past"] = test_decoder_model_past
         return require_torch(type(namespace["__qualname__"], bases, namespace))
 
+    def _make_seq2seq_test_class(variant: str):
+        """RelPosForConditionalGeneration against ModelTesterMixin, GenerationTesterMixin and ConfigTester."""
+        scheme, overrides = _VARIANTS.get(variant, (variant, {}))
+
+        def setUp(self):
+            self.model_tester = RelPosSeq2SeqModelTester(self, position_encoding=scheme, config_overrides=overrides)
+            self.config_tester = ConfigTester(self, config_class=RelPosConfig, **self.model_tester.config_kwargs())
+
+        def test_config(self):
+            self.config_tester.run_common_tests()
+
+        def test_model(self):
+            config, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, _ = (
+                self.model_tester.prepare_config_and_inputs()
+            )
+            self.model_tester.create_and_check_model(
+                config, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask
+            )
+
+        def test_seq2seq_lm_loss(self):
+            config, input_ids, attention_mask, _, _, labels = self.model_tester.prepare_config_and_inputs()
+            self.model_tester.create_and_check_lm_loss(config, input_ids, attention_mask, labels)
+
+        def test_decoder_model_past(self):
+            config, input_ids, attention_mask, decoder_input_ids, _, _ = self.model_tester.prepare_config_and_inputs()
+            self.model_tester.create_and_check_decoder_past(config, input_ids, attention_mask, decoder_input_ids)
+
+        def test_left_padding_source_and_prompt(self):
+            self.model_tester.create_and_check_left_padding(self.model_tester.get_config())
+
+        def test_generate_with_static_cache_seq2seq(self):
+            config, input_ids, attention_mask, _, _, _ = self.model_tester.prepare_config_and_inputs()
+            self.model_tester.create_and_check_static_cache_generate(config, input_ids, attention_mask)
+
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": f"RelPosSeq2Seq{_class_stem(variant)}Test",
+            "all_model_classes": (RelPosForConditionalGeneration,),
+            "pipeline_model_mapping": {},
+            "is_encoder_decoder": True,
+            "setUp": setUp,
+            "test_config": test_config,
+            "test_model": test_model,
+            "test_seq2seq_lm_loss": test_seq2seq_lm_loss,
+            "test_decoder_model_past": test_decoder_model_past,
+            "test_left_padding_source_and_prompt": test_left_padding_source_and_prompt,
+            "test_generate_with_static_cache_seq2seq": test_generate_with_static_cache_seq2seq,
+            **_OPT_OUTS,
+            **_SEQ2SEQ_OPT_OUTS,
+            **_VARIANT_OPT_OUTS.get(variant, {}),
+            **_OPT_INS,
+        }
+        bases = (ModelTesterMixin, GenerationTesterMixin, unittest.TestCase)
+        return require_torch(type(namespace["__qualname__"], bases, namespace))
+
+    def _applies(variant: str, mode: str) -> bool:
+        scheme, overrides = _VARIANTS.get(variant, (variant, {}))
+        if mode == "seq2seq":
+            # An encoder-decoder's encoder is bidirectional, and its config refuses a Transformer-XL memory.
+            return scheme not in CAUSAL_ONLY and not overrides.get("mem_len")
+        if variant in _SEQ2SEQ_VARIANTS:
+            return False
+        return mode == "causal" or scheme not in CAUSAL_ONLY  # a causal-only scheme's config refuses is_decoder=False
+
     def _selected(env: str, allowed, default=None) -> list:
         value = os.environ.get(env)
         if not value:
@@ -557,11 +906,14 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
             raise ValueError(f"{env}: unknown {unknown}, choose among {list(allowed)}")
         return chosen
 
+    _MODES = ("causal", "bidirectional", "seq2seq")
     _schemes = (*POSITION_ENCODINGS, *_VARIANTS) if os.environ.get("RELPOS_SCHEMES") == "all" else None
-    for _scheme in _schemes or _selected("RELPOS_SCHEMES", (*POSITION_ENCODINGS, *_VARIANTS), POSITION_ENCODINGS):
-        for _mode in _selected("RELPOS_MODES", ("causal", "bidirectional")):
-            if _mode == "bidirectional" and _VARIANTS.get(_scheme, (_scheme,))[0] in CAUSAL_ONLY:
-                continue  # its config refuses is_decoder=False
-            _test_class = _make_test_class(_scheme, _mode == "causal")
+    # The default run adds the seq2seq-only variants (they apply to the seq2seq mode alone).
+    _default = (*POSITION_ENCODINGS, *_SEQ2SEQ_VARIANTS)
+    for _scheme in _schemes or _selected("RELPOS_SCHEMES", (*POSITION_ENCODINGS, *_VARIANTS), _default):
+        for _mode in _selected("RELPOS_MODES", _MODES):
+            if not _applies(_scheme, _mode):
+                continue
+            _test_class = _make_test_class(_scheme, _mode)
             globals()[_test_class.__name__] = _test_class
             del _test_class  # a module-level alias would be collected a second time

@@ -174,7 +174,6 @@ BAD_CONFIGS = [
     ({"is_encoder_decoder": True, "decoder_start_token_id": VOCAB}, "decoder_start_token_id", str(VOCAB)),
     ({"is_encoder_decoder": True, "relative_attention_num_buckets": 3}, "relative_attention_num_buckets", "3"),
     ({"is_encoder_decoder": True, "position_encoding": "transformer_xl", "mem_len": 4}, "mem_len", "4"),
-    ({"is_encoder_decoder": True, "sliding_window": 4}, "sliding_window", "4"),
     ({"scale_decoder_outputs": 1}, "scale_decoder_outputs", "1"),
     ({"hidden_dropout": 1.0}, "hidden_dropout", "1.0"),
     ({"hidden_dropout": -0.1}, "hidden_dropout", "-0.1"),

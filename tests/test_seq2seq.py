@@ -150,6 +150,59 @@ def test_generate_cached_equals_uncached(scheme, layers):
         assert cached.shape == (3, 9) and (cached[:, 0] == model.config.decoder_start_token_id).all()
 
 
+@pytest.mark.parametrize("scheme", ["t5_bias", "rope"])
+def test_sliding_window_limits_self_attention_never_the_source(scheme):
+    """With sliding_window, both stacks' self-attention is windowed; cross-attention and its cache keep the whole
+    source (Transformers builds generate's cross-attention cache from the decoder's config: it must not slide)."""
+    window = 3
+    model = model_for(scheme, seed=6, sliding_window=window)
+    assert model.encoder.config.sliding_window == model.decoder.config.sliding_window == window
+    unwindowed = model_for(scheme, seed=6)
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        out = model(input_ids=source, attention_mask=mask, decoder_input_ids=target, output_attentions=True,
+                    use_cache=False)
+        assert not torch.allclose(out.logits, unwindowed(input_ids=source, attention_mask=mask,
+                                                         decoder_input_ids=target).logits)
+        # the encoder sees |i - j| <= window, the decoder i - j < window; cross-attention reaches every live source token
+        i, j = torch.arange(11)[:, None], torch.arange(11)[None]
+        assert (out.encoder_attentions[0][0][:, (i - j).abs() > window] == 0).all()
+        i, j = torch.arange(7)[:, None], torch.arange(7)[None]
+        assert (out.decoder_attentions[0][:, :, (i - j) >= window] == 0).all()
+        assert (out.cross_attentions[0][0, :, -1, :] > 0).all()
+        model.set_attn_implementation("sdpa")
+        sdpa = model(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+        torch.testing.assert_close(sdpa, out.logits, rtol=1e-4, atol=1e-5)
+        # cached decoding, one token at a time, with the cache a plain forward builds
+        encoder = model.get_encoder()(input_ids=source, attention_mask=mask)
+        cache, steps = None, []
+        for t in range(target.shape[1]):
+            step = model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=target[:, t : t + 1],
+                         past_key_values=cache, use_cache=True)
+            cache, steps = step.past_key_values, steps + [step.logits]
+        assert cache.cross_attention_cache.layers[0].keys.shape[2] == source.shape[1]
+    torch.testing.assert_close(torch.cat(steps, dim=1), out.logits, rtol=1e-4, atol=1e-5)
+    # generate: dynamic and static caches (built by Transformers from the decoder's config) against no cache
+    kwargs = dict(input_ids=source, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for beams in (1, 3):
+        uncached = model.generate(**kwargs, num_beams=beams, use_cache=False)
+        assert torch.equal(model.generate(**kwargs, num_beams=beams), uncached), beams
+    assert torch.equal(model.generate(**kwargs, cache_implementation="static"), model.generate(**kwargs, use_cache=False))
+
+
+def test_a_sliding_cross_attention_cache_is_refused():
+    """A cache the caller built from the model's config slides in every layer: cross-attention would lose the source."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
+    model = model_for(sliding_window=3)
+    source, mask = padded_source()
+    cache = EncoderDecoderCache(DynamicCache(config=model.config), DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="cross_attention_cache"):
+        model(input_ids=source, attention_mask=mask, decoder_input_ids=torch.ones(3, 2, dtype=torch.long),
+              past_key_values=cache)
+
+
 # ---------------------------------------------------------------------------
 # 3. labels, loss, outputs, errors
 # ---------------------------------------------------------------------------
@@ -221,6 +274,26 @@ def test_bad_inputs_raise_clear_errors():
         RelPosForConditionalGeneration(RelPosConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4))
     with pytest.raises(ValueError, match="position_encoding"):
         seq2seq_config("nope")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_resize_token_embeddings_reaches_both_stacks(tied):
+    """The stacks' configs are copies of the model's: resizing must update their vocab_size (their id check) too."""
+    model = model_for(tie_word_embeddings=tied)
+    source, mask = padded_source()
+    target = torch.randint(2, VOCAB, (3, 5))
+    model.resize_token_embeddings(VOCAB + 10)
+    assert model.encoder.config.vocab_size == model.decoder.config.vocab_size == VOCAB + 10
+    source[:, 1], target[:, 2] = VOCAB + 9, VOCAB + 9  # ids only the resized table has
+    out = model(input_ids=source, attention_mask=mask, decoder_input_ids=target)
+    assert out.logits.shape == (3, 5, VOCAB + 10)
+    assert model.encoder.embed_tokens is model.decoder.embed_tokens is model.shared
+    assert (model.lm_head.weight is model.shared.weight) == tied and model.lm_head.weight.shape[0] == VOCAB + 10
+    model.generate(input_ids=source, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    model.resize_token_embeddings(VOCAB - 5)
+    assert model.encoder.config.vocab_size == model.decoder.config.vocab_size == VOCAB - 5
+    with pytest.raises(ValueError, match="vocab_size=56"):
+        model(input_ids=source, attention_mask=mask, decoder_input_ids=target.clamp(max=VOCAB - 6))
 
 
 # ---------------------------------------------------------------------------
@@ -413,23 +486,6 @@ def test_from_t5_training_mode_applies_dropout_where_upstream_does(monkeypatch):
     expected = upstream(**inputs).logits
     got = converted(**inputs).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_resize_token_embeddings_accepts_the_new_token_ids(tmp_path, tied):
-    """After resize_token_embeddings (tokens added to the tokenizer), the new ids are valid input to both stacks."""
-    model = model_for("t5_bias", tie_word_embeddings=tied)
-    model.resize_token_embeddings(VOCAB + 7)
-    assert model.config.vocab_size == VOCAB + 7
-    assert model.encoder.embed_tokens.weight is model.shared.weight is model.decoder.embed_tokens.weight
-    assert (model.lm_head.weight is model.shared.weight) == tied and model.lm_head.weight.shape[0] == VOCAB + 7
-    source, mask = padded_source()
-    source[0, 2] = VOCAB + 3
-    target = torch.full((3, 4), VOCAB + 5)
-    with torch.no_grad():
-        logits = model(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
-    assert logits.shape == (3, 4, VOCAB + 7)
-    model.generate(input_ids=source, attention_mask=mask, max_new_tokens=3, do_sample=False)
 
 
 @pytest.mark.xfail(strict=True, reason="known limitation (README): hf_relpos keeps no module in fp32 and does not clamp "
