@@ -353,7 +353,9 @@ def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
         lines += [
             f"### Greedy decoding: `generate` of {args.new_tokens} new tokens after a {args.source_length}-token "
             "source, batch 1, cached", "",
-            f"Medians of {args.repeats} interleaved calls after a warm-up call. *whole call*: {args.new_tokens} / "
+            f"Medians of {3 * args.repeats} interleaved calls after a warm-up call (three times the training "
+            "step's repeats: a call is short, and the other jobs' bursts on this machine last several). "
+            f"*whole call*: {args.new_tokens} / "
             "the call's time (encoding the source included); *decode steps*: tokens/s from the first new token to "
             "the last (a streamer's clock), the cached decoder alone; *same tokens*: the greedy tokens equal "
             "upstream T5's (sdpa).", "",
@@ -383,7 +385,7 @@ def run_seq2seq(args) -> list:
                 memory[(name, vocab)] = seq2seq_memory(name, vocab, args.batch, args.source_length, args.target_length)
     decoding = {}
     if not args.no_decode:
-        decoding = {vocab: seq2seq_decoding(vocab, args.source_length, args.new_tokens, args.repeats)
+        decoding = {vocab: seq2seq_decoding(vocab, args.source_length, args.new_tokens, 3 * args.repeats)
                     for vocab in tqdm(args.vocabs, desc="seq2seq decoding")}
     return seq2seq_report(args, training, memory, decoding)
 
