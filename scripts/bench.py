@@ -242,8 +242,20 @@ def seq2seq_step(model, src, labels) -> float:
     return loss.item()
 
 
+def paired_ratio(values: dict, name: str, reference: str) -> float:
+    """The median over rounds of ``name``'s value / ``reference``'s in the same round. Each round runs every
+    contender once, back to back, so a burst of the other jobs on a shared machine that spans a round scales
+    both and cancels (a ratio of the two medians mixes rounds of different load)."""
+    return statistics.median(a / b for a, b in zip(values[name], values[reference]))
+
+
+def spread(values: list) -> float:
+    """The largest of ``values`` over the smallest: how much the load changed during the rounds."""
+    return max(values) / min(values)
+
+
 def seq2seq_training(vocab: int, batch: int, source: int, target: int, repeats: int) -> dict:
-    """Median fwd+bwd time of each contender, interleaved, and its loss (the same function: the same loss)."""
+    """fwd+bwd times of each contender per round, interleaved, and its loss (the same function: the same loss)."""
     models = {name: build_seq2seq(name, vocab) for name in SEQ2SEQ}
     src, labels = seq2seq_batch(vocab, batch, source, target)
     losses = {name: seq2seq_step(model, src, labels) for name, model in models.items()}  # warm-up
@@ -253,7 +265,7 @@ def seq2seq_training(vocab: int, batch: int, source: int, target: int, repeats: 
             start = time.perf_counter()
             seq2seq_step(model, src, labels)
             times[name].append(time.perf_counter() - start)
-    return {name: dict(time=statistics.median(times[name]), loss=losses[name]) for name in SEQ2SEQ}
+    return dict(times=times, loss=losses)
 
 
 def seq2seq_memory_child(name: str, vocab: int, batch: int, source: int, target: int) -> None:
@@ -308,13 +320,14 @@ def seq2seq_decoding(vocab: int, source: int, new_tokens: int, repeats: int) -> 
             if repeat:
                 whole[name].append(new_tokens / (end - start))
                 steps[name].append((new_tokens - 1) / (clock.times[-1] - clock.times[1]))
-    return {name: dict(whole=statistics.median(whole[name]), steps=statistics.median(steps[name]),
-                       tokens=tokens[name]) for name in SEQ2SEQ}
+    return dict(whole=whole, steps=steps, tokens=tokens)
 
 
 def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
     """The seq2seq section's Markdown."""
     up = S2S_UPSTREAM
+    step_spread = ", ".join(f"{spread(training[v]['times'][up]):.1f}×" for v in args.vocabs)
+    call_spread = ", ".join(f"{spread(decoding[v]['whole'][up]):.1f}×" for v in decoding)
     lines = [
         "## Seq2seq: upstream T5 against its hf_relpos conversion", "",
         "A T5-small-like encoder-decoder with 2 encoder and 2 decoder layers (d_model 512, 8 heads, d_kv 64, "
@@ -327,12 +340,16 @@ def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
         "cross-entropy take a large part of the step (512 × 32128 per target token), and 1024 (as the rest of "
         "this file), which leaves the step to attention and the MLPs.", "",
         "Ratios are to upstream T5 (sdpa): time / upstream's (lower is faster), tokens/s / upstream's (higher is "
-        "faster), peak memory / upstream's.", "",
+        "faster), peak memory / upstream's. Time and tokens/s ratios are medians over rounds of the ratio within "
+        "a round (every contender once, back to back, after a warm-up round), so that the other jobs' load, "
+        "which changes between rounds on a shared machine, cancels.", "",
         f"### Training step: forward + backward, source {args.source_length}, target {args.target_length}, "
         f"batch {args.batch}", "",
-        "Forward with `labels` (cross-entropy), backward, `zero_grad`; medians of "
-        f"{args.repeats} interleaved runs after a warm-up. *peak MiB*: the process's VmHWM after one step, each "
-        "contender in a process of its own; *of which the step*: above the model's resident set before it.", "",
+        f"Forward with `labels` (cross-entropy), backward, `zero_grad`; {args.repeats} rounds "
+        f"(upstream's slowest step took {step_spread} "
+        f"its fastest for vocab {', '.join(map(str, args.vocabs))}). *peak MiB*: the process's VmHWM after one "
+        "step, each contender in a process of its own; *of which the step*: above the model's resident set "
+        "before it.", "",
         "| vocab | contender | time vs upstream T5 | peak MiB | of which the step | peak vs upstream T5 "
         "| step's memory vs upstream T5 | loss − upstream's |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -341,9 +358,9 @@ def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
         got = training[vocab]
         for name in SEQ2SEQ:
             mem, ref = memory.get((name, vocab)), memory.get((up, vocab))
-            same = "(other function)" if name == S2S_ROPE else f"{got[name]['loss'] - got[up]['loss']:.1e}"
+            same = "(other function)" if name == S2S_ROPE else f"{got['loss'][name] - got['loss'][up]:.1e}"
             lines.append("| " + " | ".join([
-                str(vocab), S2S_LABELS[name], f"{got[name]['time'] / got[up]['time']:.2f}",
+                str(vocab), S2S_LABELS[name], f"{paired_ratio(got['times'], name, up):.2f}",
                 f"{mem['peak_mib']:.0f}" if mem else "–", f"{mem['delta_mib']:.0f}" if mem else "–",
                 f"{mem['peak_mib'] / ref['peak_mib']:.2f}" if mem else "–",
                 f"{mem['delta_mib'] / ref['delta_mib']:.2f}" if mem else "–", same,
@@ -353,8 +370,8 @@ def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
         lines += [
             f"### Greedy decoding: `generate` of {args.new_tokens} new tokens after a {args.source_length}-token "
             "source, batch 1, cached", "",
-            f"Medians of {3 * args.repeats} interleaved calls after a warm-up call (three times the training "
-            "step's repeats: a call is short, and the other jobs' bursts on this machine last several). "
+            f"{3 * args.repeats} rounds (three times the training step's: a call is short; upstream's slowest call "
+            f"took {call_spread} its fastest). "
             f"*whole call*: {args.new_tokens} / "
             "the call's time (encoding the source included); *decode steps*: tokens/s from the first new token to "
             "the last (a streamer's clock), the cached decoder alone; *same tokens*: the greedy tokens equal "
@@ -365,10 +382,10 @@ def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
         for vocab in args.vocabs:
             got = decoding[vocab]
             for name in SEQ2SEQ:
-                same = torch.equal(got[name]["tokens"], got[up]["tokens"])
+                same = torch.equal(got["tokens"][name], got["tokens"][up])
                 cell = "(other function)" if name == S2S_ROPE else ("yes" if same else "**no**")
-                lines.append(f"| {vocab} | {S2S_LABELS[name]} | {got[name]['whole'] / got[up]['whole']:.2f} | "
-                             f"{got[name]['steps'] / got[up]['steps']:.2f} | {cell} |")
+                lines.append(f"| {vocab} | {S2S_LABELS[name]} | {paired_ratio(got['whole'], name, up):.2f} | "
+                             f"{paired_ratio(got['steps'], name, up):.2f} | {cell} |")
         lines.append("")
     return lines
 
