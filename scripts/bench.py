@@ -7,9 +7,10 @@ section besides: a training step and greedy ``generate`` of upstream ``T5ForCond
 against its ``hf_relpos.from_t5`` conversion (the same weights) and ``rope``. Writes a Markdown table
 with the command, date, torch version, machine and load average.
 
-    python scripts/bench.py                       # the full run (about 25 minutes on 2 CPU cores)
+    python scripts/bench.py                       # the full run (about 30 minutes on 2 CPU cores)
     python scripts/bench.py --quick               # about 5 minutes: n=512, fewer repeats
-    python scripts/bench.py --seq2seq             # the seq2seq section alone, results/bench-cpu-seq2seq.md
+    python scripts/bench.py --seq2seq             # the seq2seq section alone (about 10 minutes),
+                                                  # results/bench-cpu-seq2seq.md
     python scripts/bench.py --padded --lengths 2048 --causal-lengths 2048 --no-decode \
         --output results/bench-cpu-padded.md      # a padded batch (about 6 minutes)
     python scripts/bench.py --compiled-only --output results/bench-cpu-compiled.md   # compiled decoding
@@ -323,6 +324,13 @@ def seq2seq_decoding(vocab: int, source: int, new_tokens: int, repeats: int) -> 
     return dict(whole=whole, steps=steps, tokens=tokens)
 
 
+VOCAB_NOTES = {
+    32128: "T5's 32128, where the output layer and its cross-entropy take a large part of the step (512 × 32128 "
+           "per target token)",
+    1024: "1024 (as the rest of `scripts/bench.py`), which leaves the step to attention and the MLPs",
+}
+
+
 def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
     """The seq2seq section's Markdown."""
     up = S2S_UPSTREAM
@@ -336,9 +344,8 @@ def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
         "function: the same loss and greedy tokens); `rope` is `RelPosForConditionalGeneration` with "
         "`position_encoding=\"rope\"` and the same weights but for the bias tables (plain fused SDPA, the floor). "
         "Upstream T5's default attention in Transformers 5.23 is sdpa (its position bias goes to SDPA as a dense "
-        "float mask); its eager attention is shown too. Vocabulary: T5's 32128, where the output layer and its "
-        "cross-entropy take a large part of the step (512 × 32128 per target token), and 1024 (as the rest of "
-        "this file), which leaves the step to attention and the MLPs.", "",
+        "float mask); its eager attention is shown too. Vocabulary: "
+        + "; ".join(VOCAB_NOTES.get(vocab, str(vocab)) for vocab in args.vocabs) + ".", "",
         "Ratios are to upstream T5 (sdpa): time / upstream's (lower is faster), tokens/s / upstream's (higher is "
         "faster), peak memory / upstream's. Time and tokens/s ratios are medians over rounds of the ratio within "
         "a round (every contender once, back to back, after a warm-up round), so that the other jobs' load, "
