@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench bench-thp bench-band upstream-tests
+.PHONY: run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ run: $(STAMP)
 # Speed and memory against upstream T5 and plain attention (writes results/bench-cpu.md).
 bench: $(STAMP)
 	$(PY) scripts/bench.py
+
+# The seq2seq section alone: upstream T5ForConditionalGeneration against from_t5 (writes results/bench-cpu-seq2seq.md).
+bench-seq2seq: $(STAMP)
+	$(PY) scripts/bench.py --seq2seq
 
 # The effect of THP_MEM_ALLOC_ENABLE=1 on training steps (writes results/bench-cpu-thp.md).
 bench-thp: $(STAMP)

@@ -2,11 +2,15 @@
 
 Forward and forward+backward, bidirectional (as T5's encoder) and causal (the decoder use, with a
 cached prefill besides), at several lengths, contenders interleaved A B A B in one process, medians
-after warm-up; peak memory per contender in a process of its own; cached decoding tokens/s. Writes
-a Markdown table with the command, date, torch version and machine.
+after warm-up; peak memory per contender in a process of its own; cached decoding tokens/s. A seq2seq
+section besides: a training step and greedy ``generate`` of upstream ``T5ForConditionalGeneration``
+against its ``hf_relpos.from_t5`` conversion (the same weights) and ``rope``. Writes a Markdown table
+with the command, date, torch version, machine and load average.
 
-    python scripts/bench.py                       # the full run (about 20 minutes on 2 CPU cores)
-    python scripts/bench.py --quick               # about 3 minutes: n=512, fewer repeats
+    python scripts/bench.py                       # the full run (about 30 minutes on 2 CPU cores)
+    python scripts/bench.py --quick               # about 5 minutes: n=512, fewer repeats
+    python scripts/bench.py --seq2seq             # the seq2seq section alone (about 10 minutes),
+                                                  # results/bench-cpu-seq2seq.md
     python scripts/bench.py --padded --lengths 2048 --causal-lengths 2048 --no-decode \
         --output results/bench-cpu-padded.md      # a padded batch (about 6 minutes)
     python scripts/bench.py --compiled-only --output results/bench-cpu-compiled.md   # compiled decoding
@@ -173,10 +177,254 @@ def compiled_decoding(names, context: int, new_tokens: int, repeats: int) -> dic
     return result
 
 
+# ---------------------------------------------------------------------------
+# Seq2seq: upstream T5ForConditionalGeneration against its hf_relpos conversion
+# ---------------------------------------------------------------------------
+
+S2S_UPSTREAM, S2S_EAGER, S2S_CONVERTED, S2S_ROPE = "upstream_t5", "upstream_t5_eager", "from_t5", "rope"
+SEQ2SEQ = [S2S_UPSTREAM, S2S_EAGER, S2S_CONVERTED, S2S_ROPE]
+S2S_LABELS = {
+    S2S_UPSTREAM: "upstream `T5ForConditionalGeneration` (sdpa, its default)",
+    S2S_EAGER: "upstream `T5ForConditionalGeneration` (eager)",
+    S2S_CONVERTED: "hf_relpos `from_t5(upstream)` (t5_bias, sdpa)",
+    S2S_ROPE: "hf_relpos `rope`, same weights (floor)",
+}
+
+
+def build_seq2seq(name: str, vocab: int, same_weights: bool = True):
+    """A seq2seq contender, T5-small-like with 2 encoder and 2 decoder layers (T5 v1.0: ReLU, tied and rescaled
+    output layer). Every contender holds the same seed-0 upstream weights: ``from_t5`` converts them (the same
+    function), ``rope`` loads them with rotary positions in place of the bias tables (plain fused SDPA).
+    ``same_weights=False`` (the memory runs) builds the hf_relpos models straight from the converted config,
+    so that no upstream copy raises the process's peak before the step."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_relpos import RelPosConfig, RelPosForConditionalGeneration, from_t5
+    from hf_relpos.t5_conversion import t5_config_to_relpos
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=vocab, d_model=512, d_kv=64, num_heads=8, num_layers=2, num_decoder_layers=2, d_ff=2048,
+        dropout_rate=0.0, relative_attention_num_buckets=32, relative_attention_max_distance=128,
+        feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=None,  # no early stop
+    )
+    rope_config = RelPosConfig(**{**t5_config_to_relpos(config, tied=True).to_dict(), "position_encoding": "rope"})
+    if not same_weights and name in (S2S_CONVERTED, S2S_ROPE):
+        relpos_config = t5_config_to_relpos(config, tied=True) if name == S2S_CONVERTED else rope_config
+        model = RelPosForConditionalGeneration(relpos_config)
+        model.set_attn_implementation("sdpa")
+        return model.train()
+    upstream = T5ForConditionalGeneration(config).train()
+    upstream.set_attn_implementation("eager" if name == S2S_EAGER else "sdpa")
+    if name in (S2S_UPSTREAM, S2S_EAGER):
+        return upstream
+    converted = from_t5(upstream)
+    if name == S2S_CONVERTED:
+        return converted
+    rope = RelPosForConditionalGeneration(rope_config).train()
+    rope.generation_config = converted.generation_config
+    missing, unexpected = rope.load_state_dict(converted.state_dict(), strict=False)
+    if missing or any("relative_attention_bias" not in key for key in unexpected):
+        raise RuntimeError(f"rope did not take the converted weights: missing {missing}, unexpected {unexpected}")
+    return rope
+
+
+def seq2seq_batch(vocab: int, batch: int, source: int, target: int):
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randint(1, vocab, (batch, source), generator=generator),
+            torch.randint(1, vocab, (batch, target), generator=generator))
+
+
+def seq2seq_step(model, src, labels) -> float:
+    """One training step's compute: forward with ``labels`` (cross-entropy over the vocabulary) and backward."""
+    loss = model(input_ids=src, labels=labels).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def paired_ratio(values: dict, name: str, reference: str) -> float:
+    """The median over rounds of ``name``'s value / ``reference``'s in the same round. Each round runs every
+    contender once, back to back, so a burst of the other jobs on a shared machine that spans a round scales
+    both and cancels (a ratio of the two medians mixes rounds of different load)."""
+    return statistics.median(a / b for a, b in zip(values[name], values[reference]))
+
+
+def spread(values: list) -> float:
+    """The largest of ``values`` over the smallest: how much the load changed during the rounds."""
+    return max(values) / min(values)
+
+
+def seq2seq_training(vocab: int, batch: int, source: int, target: int, repeats: int) -> dict:
+    """fwd+bwd times of each contender per round, interleaved, and its loss (the same function: the same loss)."""
+    models = {name: build_seq2seq(name, vocab) for name in SEQ2SEQ}
+    src, labels = seq2seq_batch(vocab, batch, source, target)
+    losses = {name: seq2seq_step(model, src, labels) for name, model in models.items()}  # warm-up
+    times = {name: [] for name in SEQ2SEQ}
+    for _ in range(repeats):
+        for name, model in models.items():
+            start = time.perf_counter()
+            seq2seq_step(model, src, labels)
+            times[name].append(time.perf_counter() - start)
+    return dict(times=times, loss=losses)
+
+
+def seq2seq_memory_child(name: str, vocab: int, batch: int, source: int, target: int) -> None:
+    """Runs in its own process: prints the peak resident set of one seq2seq training step (MiB)."""
+    model = build_seq2seq(name, vocab, same_weights=False)
+    src, labels = seq2seq_batch(vocab, batch, source, target)
+    base = _high_water_mib()
+    seq2seq_step(model, src, labels)
+    peak = _high_water_mib()
+    print(json.dumps({"peak_mib": peak, "delta_mib": peak - base}))
+
+
+def seq2seq_memory(name: str, vocab: int, batch: int, source: int, target: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child-seq2seq-memory", name, str(vocab), str(batch), str(source), str(target)],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class _TokenClock:
+    """A ``generate`` streamer noting when each new token arrives (the first ``put`` is the start token)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+@torch.no_grad()
+def seq2seq_decoding(vocab: int, source: int, new_tokens: int, repeats: int) -> dict:
+    """Greedy cached ``generate`` of ``new_tokens`` after a ``source``-token input (batch 1), interleaved: tokens/s
+    of the whole call (encoding the source included) and of the decode steps after the first new token, and
+    the generated tokens."""
+    models = {name: build_seq2seq(name, vocab).eval() for name in SEQ2SEQ}
+    src, _ = seq2seq_batch(vocab, 1, source, 1)
+    whole, steps, tokens = ({name: [] for name in SEQ2SEQ} for _ in range(3))
+    for repeat in range(repeats + 1):  # the first round is a warm-up
+        for name, model in models.items():
+            clock = _TokenClock()
+            start = time.perf_counter()
+            out = model.generate(input_ids=src, max_new_tokens=new_tokens, do_sample=False, num_beams=1,
+                                 use_cache=True, streamer=clock)
+            end = time.perf_counter()
+            tokens[name] = out[:, 1:]
+            if out.shape[1] != new_tokens + 1 or len(clock.times) != new_tokens + 1:
+                raise RuntimeError(f"{name} generated {out.shape[1] - 1} tokens, not {new_tokens}")
+            if repeat:
+                whole[name].append(new_tokens / (end - start))
+                steps[name].append((new_tokens - 1) / (clock.times[-1] - clock.times[1]))
+    return dict(whole=whole, steps=steps, tokens=tokens)
+
+
+VOCAB_NOTES = {
+    32128: "T5's 32128, where the output layer and its cross-entropy take a large part of the step (512 × 32128 "
+           "per target token)",
+    1024: "1024 (as the rest of `scripts/bench.py`), which leaves the step to attention and the MLPs",
+}
+
+
+def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
+    """The seq2seq section's Markdown."""
+    up = S2S_UPSTREAM
+    step_spread = ", ".join(f"{spread(training[v]['times'][up]):.1f}×" for v in args.vocabs)
+    call_spread = ", ".join(f"{spread(decoding[v]['whole'][up]):.1f}×" for v in decoding)
+    lines = [
+        "## Seq2seq: upstream T5 against its hf_relpos conversion", "",
+        "A T5-small-like encoder-decoder with 2 encoder and 2 decoder layers (d_model 512, 8 heads, d_kv 64, "
+        "d_ff 2048, ReLU, 32 buckets, max_distance 128, T5 v1.0's tied output layer, dropout 0), fp32. "
+        "Every contender holds the same seed-0 upstream weights: `hf_relpos.from_t5` converts them (the same "
+        "function: the same loss and greedy tokens); `rope` is `RelPosForConditionalGeneration` with "
+        "`position_encoding=\"rope\"` and the same weights but for the bias tables (plain fused SDPA, the floor). "
+        "Upstream T5's default attention in Transformers 5.23 is sdpa (its position bias goes to SDPA as a dense "
+        "float mask); its eager attention is shown too. Vocabulary: "
+        + "; ".join(VOCAB_NOTES.get(vocab, str(vocab)) for vocab in args.vocabs) + ".", "",
+        "Ratios are to upstream T5 (sdpa): time / upstream's (lower is faster), tokens/s / upstream's (higher is "
+        "faster), peak memory / upstream's. Time and tokens/s ratios are medians over rounds of the ratio within "
+        "a round (every contender once, back to back, after a warm-up round), so that the other jobs' load, "
+        "which changes between rounds on a shared machine, cancels.", "",
+        f"### Training step: forward + backward, source {args.source_length}, target {args.target_length}, "
+        f"batch {args.batch}", "",
+        f"Forward with `labels` (cross-entropy), backward, `zero_grad`; {args.repeats} rounds "
+        f"(upstream's slowest step took {step_spread} "
+        f"its fastest for vocab {', '.join(map(str, args.vocabs))}). *peak MiB*: the process's VmHWM after one "
+        "step, each contender in a process of its own; *of which the step*: above the model's resident set "
+        "before it.", "",
+        "| vocab | contender | time vs upstream T5 | peak MiB | of which the step | peak vs upstream T5 "
+        "| step's memory vs upstream T5 | loss − upstream's |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for vocab in args.vocabs:
+        got = training[vocab]
+        for name in SEQ2SEQ:
+            mem, ref = memory.get((name, vocab)), memory.get((up, vocab))
+            same = "(other function)" if name == S2S_ROPE else f"{got['loss'][name] - got['loss'][up]:.1e}"
+            lines.append("| " + " | ".join([
+                str(vocab), S2S_LABELS[name], f"{paired_ratio(got['times'], name, up):.2f}",
+                f"{mem['peak_mib']:.0f}" if mem else "–", f"{mem['delta_mib']:.0f}" if mem else "–",
+                f"{mem['peak_mib'] / ref['peak_mib']:.2f}" if mem else "–",
+                f"{mem['delta_mib'] / ref['delta_mib']:.2f}" if mem else "–", same,
+            ]) + " |")
+    lines.append("")
+    if decoding:
+        lines += [
+            f"### Greedy decoding: `generate` of {args.new_tokens} new tokens after a {args.source_length}-token "
+            "source, batch 1, cached", "",
+            f"{3 * args.repeats} rounds (three times the training step's: a call is short; upstream's slowest call "
+            f"took {call_spread} its fastest). "
+            f"*whole call*: {args.new_tokens} / "
+            "the call's time (encoding the source included); *decode steps*: tokens/s from the first new token to "
+            "the last (a streamer's clock), the cached decoder alone; *same tokens*: the greedy tokens equal "
+            "upstream T5's (sdpa).", "",
+            "| vocab | contender | whole call vs upstream T5 | decode steps vs upstream T5 | same tokens |",
+            "| ---: | --- | ---: | ---: | :---: |",
+        ]
+        for vocab in args.vocabs:
+            got = decoding[vocab]
+            for name in SEQ2SEQ:
+                same = torch.equal(got["tokens"][name], got["tokens"][up])
+                cell = "(other function)" if name == S2S_ROPE else ("yes" if same else "**no**")
+                lines.append(f"| {vocab} | {S2S_LABELS[name]} | {paired_ratio(got['whole'], name, up):.2f} | "
+                             f"{paired_ratio(got['steps'], name, up):.2f} | {cell} |")
+        lines.append("")
+    return lines
+
+
+def run_seq2seq(args) -> list:
+    from tqdm.auto import tqdm
+
+    training = {vocab: seq2seq_training(vocab, args.batch, args.source_length, args.target_length, args.repeats)
+                for vocab in tqdm(args.vocabs, desc="seq2seq training step")}
+    memory = {}
+    if not args.no_memory:
+        for vocab in tqdm(args.vocabs, desc="seq2seq peak memory"):
+            for name in SEQ2SEQ:
+                memory[(name, vocab)] = seq2seq_memory(name, vocab, args.batch, args.source_length, args.target_length)
+    decoding = {}
+    if not args.no_decode:
+        decoding = {vocab: seq2seq_decoding(vocab, args.source_length, args.new_tokens, 3 * args.repeats)
+                    for vocab in tqdm(args.vocabs, desc="seq2seq decoding")}
+    return seq2seq_report(args, training, memory, decoding)
+
+
 def machine_line(threads: int) -> str:
     """Date, torch version and machine, for the header of a results file."""
     return (f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}; "
             f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads} threads")
+
+
+def load_line(load_start: float) -> str:
+    """The 1-minute load average at the start and the end of the run: above the thread count, other jobs
+    shared the cores."""
+    return (f"1-minute load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+            f"(on {os.cpu_count()} cores; above this run's threads, other jobs shared them)")
 
 
 def write_report(lines: list, output: str) -> None:
@@ -196,8 +444,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="n=512, contexts 256/1024, 3 repeats")
-    parser.add_argument("--output", default="results/bench-cpu.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="n=512, contexts 256/1024, 3 repeats; seq2seq: source 512, target 128, vocab 1024")
+    parser.add_argument("--output", help="default results/bench-cpu.md (--seq2seq: results/bench-cpu-seq2seq.md)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-process peak memory runs")
     parser.add_argument("--no-decode", action="store_true", help="skip the cached decoding runs")
     parser.add_argument("--compiled-only", action="store_true", help="only the compiled-decoding table")
@@ -205,16 +454,37 @@ def main() -> None:
                         help="context of the compiled-decoding runs (0: skip them)")
     parser.add_argument("--padded", action="store_true",
                         help="time a padded batch (the last row's final quarter is padding); implies --no-memory")
+    parser.add_argument("--seq2seq", action="store_true",
+                        help="only the seq2seq section: upstream T5ForConditionalGeneration against from_t5 and rope")
+    parser.add_argument("--no-seq2seq", action="store_true", help="skip the seq2seq section")
+    parser.add_argument("--source-length", type=int, default=1024, help="seq2seq source tokens")
+    parser.add_argument("--target-length", type=int, default=256, help="seq2seq target tokens (training step)")
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[32128, 1024], help="seq2seq vocabulary sizes")
     parser.add_argument("--child-memory", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child-seq2seq-memory", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.child_memory:
         name, n, batch = args.child_memory
         return peak_memory_child(name, int(n), int(batch))
+    if args.child_seq2seq_memory:
+        name, *sizes = args.child_seq2seq_memory
+        return seq2seq_memory_child(name, *map(int, sizes))
     if args.quick:
         args.lengths, args.causal_lengths, args.contexts, args.repeats = [512], [512], [256, 1024], 3
+        args.source_length, args.target_length, args.vocabs = 512, 128, [1024]
+    if args.compiled_only or args.padded:
+        args.no_seq2seq = True
     if args.compiled_only:
         args.lengths, args.causal_lengths, args.contexts, args.no_memory = [], [], [], True
+    load_start = os.getloadavg()[0]
+    if args.seq2seq:
+        section = run_seq2seq(args)
+        return write_report(
+            ["# CPU benchmark: seq2seq", "", f"Command: `python scripts/bench.py {' '.join(sys.argv[1:])}`  ",
+             f"{machine_line(args.threads)}; {load_line(load_start)}.", ""] + section,
+            args.output or "results/bench-cpu-seq2seq.md",
+        )
 
     from tqdm.auto import tqdm
 
@@ -241,6 +511,7 @@ def main() -> None:
     compiled = {}
     if not args.no_decode and args.compiled_context:
         compiled = compiled_decoding(schemes, args.compiled_context, args.new_tokens, args.repeats)
+    seq2seq = [] if args.no_seq2seq else run_seq2seq(args)
 
     lines = [
         "# CPU benchmark",
@@ -248,7 +519,8 @@ def main() -> None:
         f"Command: `python scripts/bench.py {' '.join(sys.argv[1:])}`  ",
         f"{machine_line(args.threads)}; batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048, fp32; "
         f"medians of {args.repeats} interleaved runs after a warm-up."
-        + (" **Padded batch**: the last row's final quarter is padding (attention_mask)." if args.padded else ""),
+        + (" **Padded batch**: the last row's final quarter is padding (attention_mask)." if args.padded else "")
+        + f" {load_line(load_start)}.",
         "",
         "Times are ratios: **vs rope** = this scheme's time / rope's (plain fused SDPA, the floor); "
         "**vs upstream** = t5_bias's time / `transformers.T5EncoderModel`'s (same size and buckets). "
@@ -306,7 +578,8 @@ def main() -> None:
             lines.append(f"| {name} | {got['compiled'] / got['eager']:.2f} | "
                          f"{got['compiled'] / compiled['rope']['compiled']:.2f} | {got['compile_s']:.0f} | "
                          f"{'yes' if got['same_tokens'] else '**no**'} |")
-    write_report(lines, args.output)
+        lines.append("")
+    write_report(lines + seq2seq, args.output or "results/bench-cpu.md")
 
 
 if __name__ == "__main__":
