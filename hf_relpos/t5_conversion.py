@@ -12,6 +12,7 @@ output layer, and any ``num_heads * d_kv`` (``head_dim``).
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -94,14 +95,15 @@ def from_t5(model) -> RelPosForConditionalGeneration:
         raise ValueError(f"from_t5 takes a transformers.T5ForConditionalGeneration, got {type(model).__name__}")
     tied = model.lm_head.weight.data_ptr() == model.shared.weight.data_ptr()
     config = t5_config_to_relpos(model.config, tied=tied)
-    converted = RelPosForConditionalGeneration(config).to(model.shared.weight.dtype)
+    weight = model.shared.weight
+    converted = RelPosForConditionalGeneration(config).to(device=weight.device, dtype=weight.dtype)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     missing, unexpected = converted.load_state_dict(_t5_state_dict_to_relpos(state, config), strict=False)
     # The stacks' token tables (and a tied output layer) are the shared table, absent from the mapping.
     missing = [k for k in missing if k not in converted.get_expanded_tied_weights_keys()]
     if missing or unexpected:
         raise ValueError(f"T5 conversion left parameters unmapped: missing {missing}, unexpected {unexpected}")
-    converted.generation_config = model.generation_config
+    converted.generation_config = copy.deepcopy(model.generation_config)  # its own: editing one leaves the other
     if model.config._attn_implementation in ("eager", "sdpa"):  # the kernels both share; else hf_relpos' default
         converted.set_attn_implementation(model.config._attn_implementation)
     return converted.train(model.training)

@@ -108,6 +108,16 @@ def test_from_t5_maps_every_weight_to_its_place():
             assert (changed - base).abs().max() > 1e-3, name
 
 
+def test_from_t5_gives_a_model_of_its_own():
+    """The converted model shares no tensor and no generation config with the upstream one."""
+    upstream = random_t5("v1.0 (ReLU, tied output rescaled)", seed=6)
+    converted = hf_relpos.from_t5(upstream)
+    ours = {p.data_ptr() for p in converted.parameters()}
+    assert not ours & {p.data_ptr() for p in upstream.parameters()}
+    converted.generation_config.max_new_tokens = 7
+    assert upstream.generation_config.max_new_tokens != 7
+
+
 def test_from_t5_refuses_other_models():
     with pytest.raises(ValueError, match="T5ForConditionalGeneration"):
         hf_relpos.from_t5(model_for())
