@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from .functional import sinusoidal_embedding
-from .modeling_relpos import AdditiveBiasScheme, PositionContext
+from .position_schemes import AdditiveBiasScheme, PositionContext
 
 # Why a scheme has no position figure: it adds nothing to the attention logits.
 NO_POSITION_TERM = {

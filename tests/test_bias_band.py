@@ -221,7 +221,7 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     """A padded batch (right and left padding) takes the band / per-key path: the same outputs and
     gradients as the same padding given as a [B, 1, Q, K] mask, which takes the general path."""
     from hf_relpos import RelPosConfig, RelPosModel
-    from hf_relpos import modeling_relpos
+    from hf_relpos import position_schemes
 
     monkeypatch.setattr(F, "_SHAW_BAND_MIN_LENGTH", 1)
     config = RelPosConfig(position_encoding=position_encoding, vocab_size=64, hidden_size=32, num_hidden_layers=2,
@@ -240,8 +240,8 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     keep[1, :23] = 0  # left padding
     fast = {"t5_bias": "saturating_bias_attention", "shaw": "shaw_attention", "alibi": "causal_key_bias_attention"}
     fast_calls = []
-    real = getattr(modeling_relpos, fast[position_encoding])
-    monkeypatch.setattr(modeling_relpos, fast[position_encoding],
+    real = getattr(position_schemes, fast[position_encoding])
+    monkeypatch.setattr(position_schemes, fast[position_encoding],
                         lambda *a, **k: fast_calls.append(k.get("attention_mask")) or real(*a, **k))
 
     def run(mask):

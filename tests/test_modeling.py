@@ -25,7 +25,7 @@ from hf_relpos import (
     RelPosForSequenceClassification,
     RelPosModel,
 )
-from hf_relpos import modeling_relpos
+from hf_relpos import position_schemes
 from hf_relpos.configuration_relpos import CAUSAL_ONLY
 
 ENCODINGS = tuple(POSITION_ENCODINGS)
@@ -584,14 +584,14 @@ BIAS_FUNCTIONS = {"t5_bias": "t5_position_bias", "log_decay": "log_decay_bias", 
 
 def _recorder(monkeypatch, name):
     calls = []
-    original = getattr(modeling_relpos, name)
+    original = getattr(position_schemes, name)
 
     def wrapper(*args, **kwargs):
         out = original(*args, **kwargs)
         calls.append({"args": args, "kwargs": kwargs, "shape": tuple(out.shape)})
         return out
 
-    monkeypatch.setattr(modeling_relpos, name, wrapper)
+    monkeypatch.setattr(position_schemes, name, wrapper)
     return calls
 
 
