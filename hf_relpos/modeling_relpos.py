@@ -344,6 +344,11 @@ class RelPosPreTrainedModel(PreTrainedModel):
             init.constant_(module.c, 0.1)
             init.constant_(module.threshold_scale, 1.0)
 
+    def _token_loss(self, logits, labels, **kwargs) -> torch.Tensor:
+        """Transformers' loss of token logits (loss kwargs reach it); every label ignored gives 0, not NaN."""
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return loss if torch.isfinite(loss) else logits.sum() * 0.0
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code)."""
         seq2seq = "AutoModelForSeq2SeqLM"
@@ -824,9 +829,7 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
                     raise ValueError(
                         f"{name} must be [batch, seq_len] = {list(logits.shape[:2])}, got {tuple(target.shape)}"
                     )
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-            if not torch.isfinite(loss):  # every label ignored: no signal, not NaN
-                loss = logits.sum() * 0.0
+            loss = self._token_loss(logits, labels, **kwargs)
         return RelPosCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -835,7 +838,6 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             mems=outputs.mems,
         )
-
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         # Transformers' generate still reads an output named `mems` as the cache (XLNet's legacy); our
@@ -1054,9 +1056,7 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
         if labels is not None:
             if labels.shape != logits.shape[:2]:
                 raise ValueError(f"labels must be [batch, target_len] = {list(logits.shape[:2])}, got {tuple(labels.shape)}")
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-            if not torch.isfinite(loss):  # every label ignored: no signal, not NaN
-                loss = logits.sum() * 0.0
+            loss = self._token_loss(logits, labels, **kwargs)
         return Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
