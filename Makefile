@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests
+.PHONY: run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat
 
 setup: $(STAMP)
 
@@ -51,7 +51,46 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV)-tf* build *.egg-info .pytest_cache .hypothesis
+
+# The compatibility job (CI runs it after `make test`): on the oldest and the newest Transformers hf_relpos is
+# tested with (hf_relpos/versions.py; tests/test_compat.py keeps this list, that file and pyproject.toml equal),
+# each in a virtual environment of its own with the built wheel and the development torch:
+#   - the whole test suite;
+#   - the main job (`make run`'s commands), and its folder decoded with the same text under the development pin;
+#   - folders saved under the development pin decode identically through remote code under this version, and
+#     folders saved under this version under the development pin (scripts/cross_version.py).
+COMPAT_TRANSFORMERS ?= 5.21.0 5.24.0
+TORCH_PIN := $(shell sed -n 's/^torch==//p' constraints-dev.txt)
+RUN_ARGS := --steps 300 --overwrite
+PROMPT := "The for statement"
+
+compat: $(STAMP)
+	rm -rf build/compat && mkdir -p build/compat
+	$(PY) -m pip wheel --quiet --no-deps -w build/compat/wheel .
+	$(PY) scripts/cross_version.py save build/compat/dev
+	for version in $(COMPAT_TRANSFORMERS); do $(MAKE) --no-print-directory compat-one TF=$$version || exit 1; done
+
+compat-one:
+	@echo "== compatibility: transformers $(TF), torch $(TORCH_PIN)"
+	rm -rf $(VENV)-tf$(TF)
+	$(PYTHON) -m venv $(VENV)-tf$(TF)
+	$(VENV)-tf$(TF)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)-tf$(TF)/bin/python -m pip install --quiet "torch==$(TORCH_PIN)"
+	$(VENV)-tf$(TF)/bin/python -m pip install --quiet "torch==$(TORCH_PIN)" "transformers==$(TF)" \
+		"$$(ls build/compat/wheel/hf_relpos-*.whl)[test]"
+	$(VENV)-tf$(TF)/bin/hf-relpos --version
+	OMP_NUM_THREADS=1 $(VENV)-tf$(TF)/bin/python -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos train --output-dir runs/compat-$(TF) $(RUN_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos generate runs/compat-$(TF) --prompt $(PROMPT) \
+		> build/compat/generate-$(TF).txt
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos generate runs/compat-$(TF) --prompt $(PROMPT) \
+		> build/compat/generate-$(TF)-read-by-dev.txt
+	cat build/compat/generate-$(TF).txt
+	cmp build/compat/generate-$(TF).txt build/compat/generate-$(TF)-read-by-dev.txt
+	$(VENV)-tf$(TF)/bin/python scripts/cross_version.py check build/compat/dev
+	$(VENV)-tf$(TF)/bin/python scripts/cross_version.py save build/compat/tf$(TF)
+	$(PY) scripts/cross_version.py check build/compat/tf$(TF)
 
 # Transformers' own common model tests (ModelTesterMixin, GenerationTesterMixin, ConfigTester) on every
 # scheme, causal, bidirectional and encoder-decoder, from the Transformers sdist (see scripts/upstream_common_tests.py).

@@ -70,13 +70,28 @@ positive_float = _number(float, 0.0, strict=True)
 vocab_size = _number(int, MIN_VOCAB, strict=False)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def _versions_report() -> str:
+    """``hf_relpos/versions.py``'s report, read as a file: importing the package would import torch."""
+    import importlib.util
+    from pathlib import Path
 
-    try:
-        return version("hf_relpos")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
+    spec = importlib.util.find_spec("hf_relpos")
+    path = Path(spec.submodule_search_locations[0]) / "versions.py"
+    module_spec = importlib.util.spec_from_file_location("_hf_relpos_versions", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.report()
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: several lines, as written (argparse's own version action would reflow them)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_versions_report())
+        parser.exit()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
         prog="hf-relpos", formatter_class=_Formatter,
         description="Train, generate, evaluate, compare and inspect relative-position attention models.",
     )
-    root.add_argument("--version", action="version", version=f"hf-relpos {_version()}")
+    root.add_argument("--version", action=_VersionAction,
+                      help="print hf_relpos', torch's and Transformers' versions and whether they are tested together")
     sub = root.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def command(name, help):

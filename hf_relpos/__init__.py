@@ -1,8 +1,12 @@
 """hf_relpos: relative-position attention schemes as Hugging Face Transformers models.
 
-``import hf_relpos`` registers ``RelPosConfig`` and the four model classes with the Auto classes.
+``import hf_relpos`` registers ``RelPosConfig`` and the model classes with the Auto classes, and warns in one line
+when the installed Transformers is outside the tested range (``hf_relpos.versions``).
 """
 
+import logging
+
+import transformers
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -23,8 +27,12 @@ from .modeling_relpos import (
 )
 
 from .t5_conversion import from_t5
+from .versions import untested_transformers_warning
 
 __version__ = "0.1.0"
+
+if (_warning := untested_transformers_warning(transformers.__version__)) is not None:
+    logging.getLogger(__name__).warning(_warning)  # one line on stderr by default; silenced by logging settings
 
 AutoConfig.register("relpos", RelPosConfig, exist_ok=True)
 AutoModel.register(RelPosConfig, RelPosModel, exist_ok=True)

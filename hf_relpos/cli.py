@@ -735,23 +735,19 @@ def validate_t5(args) -> int:
     return 0 if mismatches == 0 and _validate_t5_models() else 1
 
 
-T5_LOGIT_TOLERANCE = 1e-5  # fp32; the issue's bound, above the rounding of the folded 1/sqrt(d) (see t5_conversion)
-
-
 def _validate_t5_models() -> bool:
     """Whole models: small random upstream T5s of each kind, converted by ``from_t5``, on padded inputs."""
-    from .t5_conversion import T5_KINDS, from_t5, random_t5, t5_parity
+    from .t5_conversion import LOGIT_TOLERANCE, T5_KINDS, from_t5, parity_holds, random_t5, t5_parity
 
     print(f"Whole converted models (hf_relpos.from_t5) against upstream T5ForConditionalGeneration, fp32, "
-          f"tolerance {T5_LOGIT_TOLERANCE:g}:")
+          f"tolerance {LOGIT_TOLERANCE:g} (relative to logits above 1):")
     ok = True
     for kind in T5_KINDS:
         for impl in ("eager", "sdpa"):
             upstream = random_t5(kind)
             upstream.set_attn_implementation(impl)
-            result = t5_parity(upstream, from_t5(upstream))
-            passed = result["max_abs_logit_diff"] <= T5_LOGIT_TOLERANCE and result["greedy_identical"] and result[
-                "beam_identical"]
+            result = t5_parity(upstream, from_t5(upstream, check=False))  # the check is reported, not raised
+            passed = parity_holds(result)
             ok &= passed
             print(f"  {kind:<36} {impl:>5}: max |logit diff| {result['max_abs_logit_diff']:.2e} (logits up to "
                   f"{result['max_abs_logit']:.2f}), greedy {'identical' if result['greedy_identical'] else 'DIFFERENT'}, "
@@ -770,7 +766,7 @@ def convert_t5(args) -> int:
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from .t5_conversion import from_t5, t5_parity
+    from .t5_conversion import check_t5_parity, from_t5
 
     src, out = Path(args.src_folder), Path(args.out_folder)
     if not (src / "config.json").is_file():
@@ -798,8 +794,11 @@ def convert_t5(args) -> int:
     with _RemoveIfEmptyOnFailure(out):
         upstream = T5ForConditionalGeneration.from_pretrained(src, local_files_only=True, use_safetensors=True)
         upstream = upstream.float().eval()
-        converted = from_t5(upstream)
-        parity = t5_parity(upstream, converted)
+        converted = from_t5(upstream, check=False)
+        try:  # before anything is written: a model that differs from its source is refused, not recorded
+            parity = check_t5_parity(upstream, converted)
+        except ValueError as error:
+            raise UserError(f"{src}: {error}; nothing written") from None
         out.mkdir(parents=True, exist_ok=True)
         converted.save_pretrained(out)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"):

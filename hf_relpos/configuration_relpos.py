@@ -66,7 +66,8 @@ class RelPosConfig(PreTrainedConfig):
     """
 
     model_type = "relpos"
-    keys_to_ignore_at_inference = ["past_key_values", "mems"]
+    # Outputs Trainer leaves out of predictions: the cache under its name from Transformers 5.24 and before it.
+    keys_to_ignore_at_inference = ["cache", "past_key_values", "mems"]
 
     vocab_size: int = 384
     hidden_size: int = 256

@@ -158,9 +158,11 @@ def _masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> torch
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(scores - row_max)
-    # A row with any key left sums to >= 1 (its max gives exp(0) = 1), so the clamp only
-    # touches fully masked rows, turning 0/0 into 0/1.
-    return e / e.sum(dim=-1, keepdim=True).clamp_min(1.0)
+    # A row with any key left sums to >= 1 (its max gives exp(0) = 1); a fully masked row sums to 0 and is
+    # divided by 1 instead (0/0 -> 0). A `where`, not `clamp_min(1.0)`: from torch 2.15 clamp_min passes no
+    # gradient where its input equals the bound, which a row with one key left does (its sum is exactly 1).
+    total = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def _causal_pattern(query_length: int, key_length: int, offset: int, device) -> torch.Tensor:

@@ -52,6 +52,44 @@ SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 # ----------------------------------------------------------------------------------
+# Keyword arguments, across Transformers versions
+# ----------------------------------------------------------------------------------
+
+# Transformers 5.24 renamed the cache `past_key_values` -> `cache` in model inputs and outputs, and `generate` passes
+# the name of the installed version. Every forward here takes both names; outputs carry the cache in the field the
+# installed version declares (`outputs.cache` from 5.24, `outputs.past_key_values` before), which is also the key
+# under which `generate` keeps it in its model kwargs.
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+# The keyword arguments Transformers defines for every model's forward (output flags, packed sequences, the loss's
+# `num_items_in_batch`, ...) and those its token losses take. Anything else is a TypeError naming it, so that an
+# argument renamed by the next Transformers fails at once instead of being ignored.
+MODEL_KWARGS = frozenset(TransformersKwargs.__optional_keys__)
+TOKEN_LOSS_KWARGS = frozenset({"num_items_in_batch", "ignore_index"})  # ForMaskedLMLoss (the encoder-decoder)
+CAUSAL_LOSS_KWARGS = TOKEN_LOSS_KWARGS | {"shift_labels"}  # ForCausalLMLoss
+
+
+def _refuse_unknown_kwargs(owner: str, kwargs: dict, allowed: frozenset) -> None:
+    """Raise ``TypeError`` for the first keyword argument of ``owner.forward`` outside ``allowed``, as Python does
+    for a function without ``**kwargs``."""
+    for name in kwargs:
+        if name not in allowed:
+            raise TypeError(
+                f"{owner}.forward() got an unexpected keyword argument {name!r} (it takes its named arguments and "
+                f"Transformers' model keyword arguments: {', '.join(sorted(allowed))})"
+            )
+
+
+def _one_cache(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
+    """The cache passed under its name from Transformers 5.24 (``cache``) or its earlier one (``past_key_values``)."""
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("pass the cache once, as cache= or as past_key_values= (its name before Transformers 5.24)")
+    return past_key_values
+
+
+# ----------------------------------------------------------------------------------
 # Outputs
 # ----------------------------------------------------------------------------------
 
@@ -155,7 +193,7 @@ class RelPosAttention(nn.Module):
         term: Any,
         ctx: PositionContext,
         memory: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         scheme = ctx.scheme
         batch, length, _ = hidden_states.shape
@@ -166,8 +204,8 @@ class RelPosAttention(nn.Module):
         key = self.k_proj(kv_input).view(shape).transpose(1, 2)
         value = self.v_proj(kv_input).view(shape).transpose(1, 2)
         query, key = scheme.rotate(query, key, term, ctx)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         out, weights = scheme.attend(self, query, key, value, term, ctx)
         return self.o_proj(out.reshape(batch, length, -1)), weights
 
@@ -197,26 +235,26 @@ class RelPosCrossAttention(nn.Module):
         encoder_hidden_states: torch.Tensor,
         encoder_mask: Optional[torch.Tensor],
         ctx: PositionContext,
-        past_key_values: Optional[EncoderDecoderCache] = None,
+        cache: Optional[EncoderDecoderCache] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         batch, length, _ = hidden_states.shape
         query = self.q_proj(hidden_states).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        cache = past_key_values.cross_attention_cache if past_key_values is not None else None
-        if cache is not None and any(cache.is_sliding[self.layer_idx : self.layer_idx + 1]):
+        cross_cache = cache.cross_attention_cache if cache is not None else None
+        if cross_cache is not None and any(cross_cache.is_sliding[self.layer_idx : self.layer_idx + 1]):
             raise ValueError(
-                "past_key_values.cross_attention_cache has sliding-window layers (a cache built from a config with "
+                "cache.cross_attention_cache has sliding-window layers (a cache built from a config with "
                 "sliding_window): they would keep only the last source tokens. Build it without the window, e.g. "
                 "EncoderDecoderCache(DynamicCache(config=config), DynamicCache()), as generate does"
             )
-        if cache is not None and past_key_values.is_updated.get(self.layer_idx):
-            key, value = cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        if cross_cache is not None and cache.is_updated.get(self.layer_idx):
+            key, value = cross_cache.layers[self.layer_idx].keys, cross_cache.layers[self.layer_idx].values
         else:
             shape = (batch, -1, self.num_heads, self.head_dim)
             key = self.k_proj(encoder_hidden_states).view(shape).transpose(1, 2)
             value = self.v_proj(encoder_hidden_states).view(shape).transpose(1, 2)
-            if cache is not None:
-                key, value = cache.update(key, value, self.layer_idx)
-                past_key_values.is_updated[self.layer_idx] = True
+            if cross_cache is not None:
+                key, value = cross_cache.update(key, value, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
         interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
         out, weights = interface(
             self, query, key, value, encoder_mask,
@@ -250,21 +288,19 @@ class RelPosDecoderLayer(GradientCheckpointingLayer):
         encoder_hidden_states: Optional[torch.Tensor] = None,
         ctx: PositionContext = None,
         memory: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         encoder_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         residual = hidden_states
         normed_memory = None if memory is None else self.input_layernorm(memory)
-        self_cache = past_key_values
-        if isinstance(past_key_values, EncoderDecoderCache):
-            self_cache = past_key_values.self_attention_cache
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states), term, ctx, normed_memory, self_cache
         )
         hidden_states = residual + self.dropout(hidden_states)
         if encoder_hidden_states is not None:
             residual = hidden_states
-            cross_cache = past_key_values if isinstance(past_key_values, EncoderDecoderCache) else None
+            cross_cache = cache if isinstance(cache, EncoderDecoderCache) else None
             hidden_states, _ = self.encoder_attn(
                 self.encoder_attn_layernorm(hidden_states), encoder_hidden_states, encoder_mask, ctx, cross_cache
             )
@@ -293,7 +329,7 @@ class RelPosPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["RelPosDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -398,7 +434,7 @@ class RelPosModel(RelPosPreTrainedModel):
 
     # -- input checks: every one runs before any state (cache, memory) changes ---------------
 
-    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values, mems, position_ids):
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, cache, mems, position_ids):
         config = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
@@ -427,29 +463,29 @@ class RelPosModel(RelPosPreTrainedModel):
             raise ValueError(f"{what} must hold at least one sequence of at least one token, got batch={batch}, seq_len={length}")
 
         past = 0
-        if past_key_values is not None:
-            if not isinstance(past_key_values, Cache):
+        if cache is not None:
+            if not isinstance(cache, Cache):
                 raise ValueError(
-                    f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
+                    f"cache (past_key_values) must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
                 )
-            if len(past_key_values.layers) > config.num_hidden_layers or (
-                len(past_key_values.layers) != config.num_hidden_layers and past_key_values.get_seq_length() > 0
+            if len(cache.layers) > config.num_hidden_layers or (
+                len(cache.layers) != config.num_hidden_layers and cache.get_seq_length() > 0
             ):
                 raise ValueError(
-                    f"past_key_values has {len(past_key_values.layers)} layers, this model has num_hidden_layers="
+                    f"cache (past_key_values) has {len(cache.layers)} layers, this model has num_hidden_layers="
                     f"{config.num_hidden_layers}: the cache comes from a different configuration"
                 )
-            layer = past_key_values.layers[0] if len(past_key_values.layers) else None
+            layer = cache.layers[0] if len(cache.layers) else None
             keys = getattr(layer, "keys", None)
             if layer is not None and getattr(layer, "is_initialized", False) and keys is not None and keys.numel():
                 expected = (batch, config.num_attention_heads, config.head_dim)
                 got = (keys.shape[0], keys.shape[1], keys.shape[3])
                 if got != expected:
                     raise ValueError(
-                        f"past_key_values holds keys of [batch, heads, head_dim] = {list(got)}, expected {list(expected)} "
+                        f"cache (past_key_values) holds keys of [batch, heads, head_dim] = {list(got)}, expected {list(expected)} "
                         "for this input and configuration"
                     )
-            past = past_key_values.get_seq_length()
+            past = cache.get_seq_length()
             if torch.compiler.is_compiling():
                 # A static cache's length is a tensor in a traced graph: checks that read it on the host
                 # run in eager calls only, as the token-id range check does.
@@ -464,8 +500,8 @@ class RelPosModel(RelPosPreTrainedModel):
                     "mems is only accepted by position_encoding='transformer_xl' with mem_len > 0, got "
                     f"position_encoding={config.position_encoding!r}, mem_len={config.mem_len}"
                 )
-            if past_key_values is not None and past:
-                raise ValueError("mems and past_key_values cannot be combined: use one kind of memory")
+            if cache is not None and past:
+                raise ValueError("mems and a filled cache (past_key_values) cannot be combined: use one kind of memory")
             if not isinstance(mems, (list, tuple)) or len(mems) != config.num_hidden_layers:
                 got = len(mems) if isinstance(mems, (list, tuple)) else type(mems).__name__
                 raise ValueError(f"mems must be a list of num_hidden_layers={config.num_hidden_layers} tensors, got {got}")
@@ -491,7 +527,7 @@ class RelPosModel(RelPosPreTrainedModel):
 
         if attention_mask is not None and attention_mask.dim() == 4:
             # A prepared 4-D mask (generate builds one for static caches): [batch, 1, seq_len, keys].
-            keys = past_key_values.get_mask_sizes(length, 0)[0] if past_key_values is not None else length
+            keys = cache.get_mask_sizes(length, 0)[0] if cache is not None else length
             if tuple(attention_mask.shape) != (batch, 1, length, keys) or mems is not None:
                 raise ValueError(
                     f"a 4-D attention_mask must be [batch={batch}, 1, seq_len={length}, keys={keys}] (and cannot be "
@@ -513,18 +549,37 @@ class RelPosModel(RelPosPreTrainedModel):
             raise ValueError(f"position_ids must be [batch, seq_len={length}], got shape {tuple(position_ids.shape)}")
         return batch, length, past, mem_length
 
+    def _check_model_kwargs(self, kwargs: dict) -> None:
+        """Transformers' model keyword arguments that these models cannot honour in every value: refused when
+        they ask for something else than what the model does, never dropped."""
+        is_causal = kwargs.get("is_causal")
+        if is_causal is not None and bool(is_causal) != bool(self.config.is_decoder):
+            raise ValueError(
+                f"is_causal={is_causal!r}: this model's attention is {'causal' if self.config.is_decoder else 'bidirectional'}"
+                f" (config.is_decoder={self.config.is_decoder}); build the model with the other is_decoder instead"
+            )
+        if kwargs.get("output_router_logits"):
+            raise ValueError("output_router_logits=True: hf_relpos models have no mixture-of-experts router")
+        q, k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if k is not None and not torch.compiler.is_compiling() and (q is None or not torch.equal(q.cpu(), k.cpu())):
+            raise ValueError(
+                "cu_seq_lens_k must equal cu_seq_lens_q (packed sequences whose keys are their own tokens), got "
+                f"cu_seq_lens_q={None if q is None else q.tolist()}, cu_seq_lens_k={k.tolist()}"
+            )
+
     @capture_outputs
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         use_cache: Optional[bool] = None,
         mems: Optional[list] = None,
         encoder_hidden_states: Optional[torch.Tensor] = None,
         encoder_attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Cache] = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RelPosModelOutput:
         """``output_attentions``, ``output_hidden_states`` and ``return_dict`` (call arguments or config
@@ -533,45 +588,52 @@ class RelPosModel(RelPosPreTrainedModel):
         ``DataCollatorWithFlattening``) attend only within their document.
 
         An encoder-decoder's decoder also takes ``encoder_hidden_states`` (with ``encoder_attention_mask``)
-        and an ``EncoderDecoderCache``, whose self-attention part holds the positions."""
+        and an ``EncoderDecoderCache``, whose self-attention part holds the positions.
+
+        The cache is ``cache`` (Transformers 5.24's name) or ``past_key_values`` (its name before); a keyword
+        argument that is neither named here nor one of Transformers' model keyword arguments is a ``TypeError``."""
         config = self.config
+        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS)
+        self._check_model_kwargs(kwargs)
         cross = config.is_encoder_decoder and config.is_decoder
-        cache = past_key_values
+        cache = _one_cache(cache, past_key_values)
+        self_cache = cache  # the cache that holds the positions: an encoder-decoder's self-attention part
         if isinstance(cache, EncoderDecoderCache):
             if not cross:
                 raise ValueError("an EncoderDecoderCache is for an encoder-decoder's decoder; this stack has no cross-attention")
-            past_key_values = cache.self_attention_cache
+            self_cache = cache.self_attention_cache
         impl = config._attn_implementation or "eager"
         if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation must be one of {list(SUPPORTED_ATTN_IMPLEMENTATIONS)} for hf_relpos, got {impl!r}"
             )
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # A checkpointed layer runs twice (forward, then again in backward): a cache would take its keys twice.
+            use_cache, cache, self_cache = False, None, None
         batch, length, past, mem_length = self._check_inputs(
-            input_ids, inputs_embeds, attention_mask, past_key_values, mems, position_ids
+            input_ids, inputs_embeds, attention_mask, self_cache, mems, position_ids
         )
         encoder_mask = self._encoder_mask(encoder_hidden_states, encoder_attention_mask, batch) if cross else None
         if encoder_hidden_states is not None and not cross:
             raise ValueError("encoder_hidden_states are for an encoder-decoder's decoder (is_encoder_decoder=True)")
         output_attentions = kwargs.get("output_attentions")
         output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
-        if mems is not None and config.mem_len and use_cache and past_key_values is None:
+        if mems is not None and config.mem_len and use_cache and self_cache is None:
             use_cache = False  # Transformer-XL memory replaces the cache within a forward with mems
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=config)
+        if use_cache and self_cache is None:
+            self_cache = DynamicCache(config=config)
             # The cross-attention cache holds the whole source: no window, whatever the config's sliding_window.
-            cache = EncoderDecoderCache(past_key_values, DynamicCache()) if cross else past_key_values
+            cache = EncoderDecoderCache(self_cache, DynamicCache()) if cross else self_cache
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         device = inputs_embeds.device
 
         # Where the queries and keys sit, read once from the cache before any layer updates it.
-        if past_key_values is not None:
-            q_offset = past_key_values.get_query_offset(0)
-            kv_length, kv_offset = past_key_values.get_mask_sizes(length, 0)
+        if self_cache is not None:
+            q_offset = self_cache.get_query_offset(0)
+            kv_length, kv_offset = self_cache.get_mask_sizes(length, 0)
             if not torch.compiler.is_compiling():  # a static cache's tensors, read once (traced: kept tensors)
                 q_offset, kv_length, kv_offset = int(q_offset), int(kv_length), int(kv_offset)
         else:
@@ -596,7 +658,7 @@ class RelPosModel(RelPosPreTrainedModel):
                     f"{config.max_position_embeddings} tokens"
                 )
 
-        mask = self._bool_mask(inputs_embeds, attention_mask, past_key_values, position_ids, mem_length)
+        mask = self._bool_mask(inputs_embeds, attention_mask, self_cache, position_ids, mem_length)
         if documents is not None:
             same = (documents[:, :, None] == documents[:, None, :])[:, None]
             mask = same if mask is None else mask & same
@@ -633,20 +695,16 @@ class RelPosModel(RelPosPreTrainedModel):
             # Tensors that need gradients positionally: reentrant checkpointing carries gradients only for those.
             hidden_states = layer(
                 hidden_states, term, encoder_hidden_states,
-                ctx=ctx, memory=memory, past_key_values=cache, encoder_mask=encoder_mask,
+                ctx=ctx, memory=memory, cache=cache, encoder_mask=encoder_mask,
             )
         hidden_states = self.norm(hidden_states)
         if config.is_encoder_decoder:  # T5's stacks drop their normed output (decoder-only models do not)
             hidden_states = self.dropout(hidden_states)
         if cross:
             return BaseModelOutputWithPastAndCrossAttentions(
-                last_hidden_state=hidden_states, past_key_values=cache if use_cache else None
+                last_hidden_state=hidden_states, **{CACHE_FIELD: cache if use_cache else None}
             )
-        return RelPosModelOutput(
-            last_hidden_state=hidden_states,
-            past_key_values=cache if use_cache else None,
-            mems=new_mems,
-        )
+        return RelPosModelOutput(last_hidden_state=hidden_states, mems=new_mems, **{CACHE_FIELD: cache if use_cache else None})
 
     def _encoder_mask(self, encoder_hidden_states, encoder_attention_mask, batch) -> Optional[torch.Tensor]:
         """The decoder's view of the source: bool ``[B, 1, 1, S]`` (True = may attend), None when nothing is padding."""
@@ -694,7 +752,7 @@ class RelPosModel(RelPosPreTrainedModel):
         documents = self._documents(kwargs, position_ids if fresh and unpadded else None, batch, length, device)
         if documents is not None and not (fresh and unpadded):
             raise ValueError(
-                "cu_seq_lens_q / seq_idx (packed sequences) need a forward without past_key_values, mems or an "
+                "cu_seq_lens_q / seq_idx (packed sequences) need a forward without a cache, mems or an "
                 "attention_mask with padding"
             )
         return documents
@@ -726,7 +784,7 @@ class RelPosModel(RelPosPreTrainedModel):
             states = hidden_states if memory is None else torch.cat([memory, hidden_states], dim=1)
             return states[:, -self.config.mem_len :].detach()
 
-    def _bool_mask(self, inputs_embeds, attention_mask, past_key_values, position_ids, mem_length):
+    def _bool_mask(self, inputs_embeds, attention_mask, cache, position_ids, mem_length):
         """Transformers' mask (cache- and padding-aware) as bool ``[B, 1, Q, K]``, or None if nothing is masked.
 
         Causality is kept separately (``PositionContext.causal``) so that the fused causal kernel stays
@@ -743,12 +801,11 @@ class RelPosModel(RelPosPreTrainedModel):
         if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
             mask = None
         else:
-            make = create_causal_mask if self.config.is_decoder else create_bidirectional_mask
-            kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                          past_key_values=past_key_values)
+            # The cache goes by position: its keyword is `cache` from Transformers 5.24, `past_key_values` before.
             if self.config.is_decoder:
-                kwargs["position_ids"] = position_ids
-            mask = make(**kwargs)
+                mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+            else:
+                mask = create_bidirectional_mask(self.config, inputs_embeds, attention_mask, None, cache)
             if mask is not None and mask.dtype != torch.bool:
                 mask = mask > torch.finfo(mask.dtype).min / 2
         if mem_length and (mask is not None or memory_mask is not None):
@@ -799,21 +856,27 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         mems: Optional[list] = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Optional[Cache] = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RelPosCausalLMOutput:
-        """Every keyword argument reaches the model and Transformers' loss (``shift_labels``,
-        ``num_items_in_batch``, ``ignore_index``, ...); a loss is computed from ``labels`` or ``shift_labels``."""
+        """Transformers' model keyword arguments reach the model, and ``num_items_in_batch``, ``ignore_index`` and
+        ``shift_labels`` Transformers' loss; a loss is computed from ``labels`` or ``shift_labels``. The cache is
+        ``cache`` or ``past_key_values`` (its name before Transformers 5.24); any other keyword is a ``TypeError``."""
+        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS | CAUSAL_LOSS_KWARGS)
+        loss_kwargs = {name: kwargs.pop(name) for name in CAUSAL_LOSS_KWARGS - MODEL_KWARGS if name in kwargs}
+        if "num_items_in_batch" in kwargs:
+            loss_kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"]
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=_one_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             mems=mems,
@@ -822,21 +885,20 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
         )
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
         loss = None
-        if labels is not None or kwargs.get("shift_labels") is not None:
-            for name in ("labels", "shift_labels"):
-                target = labels if name == "labels" else kwargs[name] if name in kwargs else None
+        if labels is not None or loss_kwargs.get("shift_labels") is not None:
+            for name, target in (("labels", labels), ("shift_labels", loss_kwargs.get("shift_labels"))):
                 if target is not None and target.shape != logits.shape[:2]:
                     raise ValueError(
                         f"{name} must be [batch, seq_len] = {list(logits.shape[:2])}, got {tuple(target.shape)}"
                     )
-            loss = self._token_loss(logits, labels, **kwargs)
+            loss = self._token_loss(logits, labels, **loss_kwargs)
         return RelPosCausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             mems=outputs.mems,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
@@ -874,9 +936,14 @@ class RelPosForSequenceClassification(RelPosPreTrainedModel):
         inputs_embeds: Optional[torch.FloatTensor] = None,
         labels: Optional[torch.LongTensor] = None,
         mems: Optional[list] = None,
-        use_cache: Optional[bool] = None,  # accepted as upstream heads do; classification keeps no cache
+        use_cache: Optional[bool] = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> RelPosSequenceClassifierOutput:
+        """Transformers' model keyword arguments reach the model; any other keyword is a ``TypeError``. A classifier
+        keeps no cache: ``use_cache`` may be None or False."""
+        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS)
+        if use_cache:
+            raise ValueError("use_cache=True: RelPosForSequenceClassification keeps no cache (pass None or False)")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -951,7 +1018,7 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
         ``sliding_window`` its layers would keep only the last source tokens: rebuild it without the window, of
         the same kind (dynamic or static, offloaded or not), as upstream T5Gemma does."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_FIELD)
         if (
             not isinstance(cache, EncoderDecoderCache)
             or getattr(cache, "_is_user_defined", False)
@@ -1011,16 +1078,24 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
         decoder_input_ids: Optional[torch.LongTensor] = None,
         decoder_attention_mask: Optional[torch.Tensor] = None,
         encoder_outputs: Optional[Any] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         decoder_inputs_embeds: Optional[torch.FloatTensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Optional[Cache] = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqLMOutput:
         """Encode (unless ``encoder_outputs`` are given, as ``generate`` does after its first step), decode, and
-        score; every keyword argument reaches both stacks and Transformers' loss (``num_items_in_batch``, ...)."""
+        score. Transformers' model keyword arguments reach both stacks, and ``num_items_in_batch`` and
+        ``ignore_index`` Transformers' loss. The cache (an ``EncoderDecoderCache``) is ``cache`` or
+        ``past_key_values`` (its name before Transformers 5.24); any other keyword is a ``TypeError``."""
+        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS | TOKEN_LOSS_KWARGS)
+        loss_kwargs = {name: kwargs.pop(name) for name in TOKEN_LOSS_KWARGS - MODEL_KWARGS if name in kwargs}
+        if "num_items_in_batch" in kwargs:
+            loss_kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"]
+        cache = _one_cache(cache, past_key_values)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds, return_dict=True,
@@ -1041,7 +1116,7 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
             input_ids=decoder_input_ids,
             attention_mask=decoder_attention_mask,
             inputs_embeds=decoder_inputs_embeds,
-            past_key_values=past_key_values,
+            cache=cache,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
             use_cache=use_cache,
@@ -1056,11 +1131,11 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
         if labels is not None:
             if labels.shape != logits.shape[:2]:
                 raise ValueError(f"labels must be [batch, target_len] = {list(logits.shape[:2])}, got {tuple(labels.shape)}")
-            loss = self._token_loss(logits, labels, **kwargs)
+            loss = self._token_loss(logits, labels, **loss_kwargs)
         return Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=decoder_outputs.past_key_values,
+            **{CACHE_FIELD: getattr(decoder_outputs, CACHE_FIELD)},
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,

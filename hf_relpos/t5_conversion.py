@@ -86,13 +86,29 @@ def _t5_state_dict_to_relpos(state: dict, config: RelPosConfig) -> dict:
     return out
 
 
-def from_t5(model) -> RelPosForConditionalGeneration:
+def from_t5(model, *, check: bool = True) -> RelPosForConditionalGeneration:
     """An hf_relpos encoder-decoder with the same logits and ``generate`` outputs as the upstream
-    ``transformers.T5ForConditionalGeneration`` ``model`` (v1.0, v1.1, Flan; fp32 to rounding)."""
+    ``transformers.T5ForConditionalGeneration`` ``model`` (v1.0, v1.1, Flan; fp32 to rounding).
+
+    With ``check`` (the default) the conversion is verified before it is returned: ``check_t5_parity`` runs both
+    models in fp32 and eval mode on random padded inputs and raises ``ValueError`` naming what differs (logits,
+    greedy or beam-search tokens). A model in another dtype is checked through fp32 copies (twice its fp32 size
+    in memory for the check); ``check=False`` skips it."""
     from transformers import T5ForConditionalGeneration
 
     if not isinstance(model, T5ForConditionalGeneration):
         raise ValueError(f"from_t5 takes a transformers.T5ForConditionalGeneration, got {type(model).__name__}")
+    converted = _convert(model)
+    if check:
+        if model.dtype == torch.float32:
+            check_t5_parity(model, converted)
+        else:  # the mapping is what is checked, not the rounding of a lower precision
+            reference = copy.deepcopy(model).float()
+            check_t5_parity(reference, _convert(reference))
+    return converted
+
+
+def _convert(model) -> RelPosForConditionalGeneration:
     tied = model.lm_head.weight.data_ptr() == model.shared.weight.data_ptr()
     config = t5_config_to_relpos(model.config, tied=tied)
     weight = model.shared.weight
@@ -188,4 +204,36 @@ def t5_parity(upstream, converted, seed: int = 0) -> dict:
     }
 
 
-__all__ = ["from_t5", "convert_t5_folder", "t5_config_to_relpos", "random_t5", "t5_parity", "T5_KINDS"]
+# fp32: above the rounding of the folded 1/sqrt(d) (see the module docstring) and of sdpa against eager, relative
+# to the logits' scale (a real checkpoint's logits reach tens).
+LOGIT_TOLERANCE = 1e-5
+
+
+def parity_holds(parity: dict) -> bool:
+    """Logits within ``LOGIT_TOLERANCE`` (times the largest logit, when above 1), greedy and beam search identical."""
+    tolerance = LOGIT_TOLERANCE * max(1.0, parity["max_abs_logit"])
+    return parity["max_abs_logit_diff"] <= tolerance and parity["greedy_identical"] and parity["beam_identical"]
+
+
+def check_t5_parity(upstream, converted, seed: int = 0) -> dict:
+    """``t5_parity`` of both models in eval mode (their modes are restored); ``ValueError`` naming what differs."""
+    modes = upstream.training, converted.training
+    try:
+        parity = t5_parity(upstream.eval(), converted.eval(), seed)
+    finally:
+        upstream.train(modes[0]), converted.train(modes[1])
+    if not parity_holds(parity):
+        tolerance = LOGIT_TOLERANCE * max(1.0, parity["max_abs_logit"])
+        raise ValueError(
+            "the converted model does not reproduce the upstream T5 (random padded inputs, fp32): max |logit diff| "
+            f"{parity['max_abs_logit_diff']:.2e} (tolerance {tolerance:.1e}), greedy "
+            f"{'identical' if parity['greedy_identical'] else 'DIFFERENT'}, beam search "
+            f"{'identical' if parity['beam_identical'] else 'DIFFERENT'}"
+        )
+    return parity
+
+
+__all__ = [
+    "from_t5", "convert_t5_folder", "t5_config_to_relpos", "random_t5", "t5_parity", "check_t5_parity", "parity_holds",
+    "LOGIT_TOLERANCE", "T5_KINDS",
+]

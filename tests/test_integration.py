@@ -30,6 +30,7 @@ from hf_relpos import (
     RelPosForSequenceClassification,
     RelPosModel,
 )
+from tiny import checkpointing_argument, enable_checkpointing, is_checkpointing
 from tiny import tiny_config as shared_tiny_config
 from transformers import (
     AutoConfig,
@@ -618,8 +619,8 @@ def test_activation_checkpointing_gradients_match(position_encoding):
     model = make_model(RelPosForCausalLM, position_encoding, vocab_size=32).train()
     input_ids = torch.randint(3, 32, (2, 10), generator=torch.Generator().manual_seed(0))
     plain = gradients(model, input_ids, input_ids)
-    model.activation_checkpointing_enable()
-    assert model.is_activation_checkpointing
+    enable_checkpointing(model)
+    assert is_checkpointing(model)
     checkpointed = gradients(model, input_ids, input_ids)
     assert sorted(plain) == sorted(checkpointed), set(plain) ^ set(checkpointed)
     if position_encoding == "t5_bias":  # the shared bias table learns through the checkpointed layers
@@ -631,14 +632,11 @@ def test_activation_checkpointing_gradients_match(position_encoding):
 
 @pytest.mark.parametrize("position_encoding", ["t5_bias", "shaw"])
 def test_trainer_activation_checkpointing(tmp_path, position_encoding):
-    import inspect
-
-    assert "activation_checkpointing" in inspect.signature(TrainingArguments).parameters
     model = make_model(RelPosForCausalLM, position_encoding, vocab_size=32)
-    args = training_args(tmp_path, learning_rate=1e-3, max_steps=4, logging_steps=1, activation_checkpointing=True)
+    args = training_args(tmp_path, learning_rate=1e-3, max_steps=4, logging_steps=1, **{checkpointing_argument(): True})
     trainer = Trainer(model=model, args=args, train_dataset=CopyDataset(n=64))
     trainer.train()
-    assert model.is_activation_checkpointing
+    assert is_checkpointing(model)
     losses = logged_losses(trainer)
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
 

@@ -19,6 +19,7 @@ from hf_relpos import RelPosConfig, RelPosForConditionalGeneration
 from hf_relpos.configuration_relpos import CAUSAL_ONLY, POSITION_ENCODINGS
 from hf_relpos.t5_conversion import T5_KINDS, random_t5, t5_parity
 from hf_relpos_cli import main as cli_main
+from tiny import enable_checkpointing
 
 VOCAB = 61
 SEQ2SEQ_SCHEMES = [p for p in POSITION_ENCODINGS if p not in CAUSAL_ONLY]
@@ -320,7 +321,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(scheme):
     for checkpointing in (False, True):
         model = model_for(scheme, seed=7).train()
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+            enable_checkpointing(model, use_reentrant=True)
         model(input_ids=source, attention_mask=mask, labels=labels).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
