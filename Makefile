@@ -57,7 +57,8 @@ clean:
 # tested with (hf_relpos/versions.py; tests/test_compat.py keeps this list, that file and pyproject.toml equal),
 # each in a virtual environment of its own with the built wheel and the development torch:
 #   - the whole test suite;
-#   - the main job (`make run`'s commands), and its folder decoded with the same text under the development pin;
+#   - the main job (`make run`'s commands) gives the text it gives under the development pin, and its folder
+#     decodes to that text under the development pin too;
 #   - folders saved under the development pin decode identically through remote code under this version, and
 #     folders saved under this version under the development pin (scripts/cross_version.py).
 COMPAT_TRANSFORMERS ?= 5.21.0 5.24.0
@@ -69,6 +70,9 @@ compat: $(STAMP)
 	rm -rf build/compat && mkdir -p build/compat
 	$(PY) -m pip wheel --quiet --no-deps -w build/compat/wheel .
 	$(PY) scripts/cross_version.py save build/compat/dev
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos train --output-dir runs/compat-dev $(RUN_ARGS) --quiet
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos generate runs/compat-dev --prompt $(PROMPT) \
+		> build/compat/generate-dev.txt
 	for version in $(COMPAT_TRANSFORMERS); do $(MAKE) --no-print-directory compat-one TF=$$version || exit 1; done
 
 compat-one:
@@ -87,6 +91,7 @@ compat-one:
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos generate runs/compat-$(TF) --prompt $(PROMPT) \
 		> build/compat/generate-$(TF)-read-by-dev.txt
 	cat build/compat/generate-$(TF).txt
+	cmp build/compat/generate-$(TF).txt build/compat/generate-dev.txt
 	cmp build/compat/generate-$(TF).txt build/compat/generate-$(TF)-read-by-dev.txt
 	$(VENV)-tf$(TF)/bin/python scripts/cross_version.py check build/compat/dev
 	$(VENV)-tf$(TF)/bin/python scripts/cross_version.py save build/compat/tf$(TF)

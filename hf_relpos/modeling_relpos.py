@@ -10,7 +10,9 @@ from the cache (and the Transformer-XL memory) before the first layer, asks the 
 per-forward term once, and hands both to every layer.
 """
 
+import inspect
 import math
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
@@ -81,11 +83,17 @@ def _refuse_unknown_kwargs(owner: str, kwargs: dict, allowed: frozenset) -> None
 
 
 def _one_cache(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
-    """The cache passed under its name from Transformers 5.24 (``cache``) or its earlier one (``past_key_values``)."""
+    """The cache passed under its name from Transformers 5.24 (``cache``) or its earlier one (``past_key_values``),
+    which warns as upstream models do where the installed Transformers has renamed it."""
     if past_key_values is None:
         return cache
     if cache is not None:
         raise ValueError("pass the cache once, as cache= or as past_key_values= (its name before Transformers 5.24)")
+    if CACHE_FIELD == "cache" and not torch.compiler.is_compiling():
+        warnings.warn(
+            "`past_key_values` is deprecated: Transformers 5.24 renamed it `cache`; pass the cache as cache=",
+            FutureWarning,
+        )
     return past_key_values
 
 
@@ -1035,6 +1043,17 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
             )
         else:
             cache.cross_attention_cache = DynamicCache(config=config, offloading=cross.offloading)
+
+    def _prepare_text_encoder_decoder_kwargs_for_generation(self, inputs_tensor, model_kwargs, *args, **kwargs):
+        """``generate`` hands the encoder every model keyword argument when the encoder's forward takes ``**kwargs``
+        (ours does, for Transformers' model keyword arguments), ``logits_to_keep`` included, which the encoder
+        would refuse: hand it only what it takes, and keep the rest for the decoding steps."""
+        takes = set(inspect.signature(self.encoder.forward).parameters) | MODEL_KWARGS
+        held = {name: model_kwargs.pop(name) for name in list(model_kwargs) if name not in takes}
+        model_kwargs = super()._prepare_text_encoder_decoder_kwargs_for_generation(
+            inputs_tensor, model_kwargs, *args, **kwargs
+        )
+        return {**model_kwargs, **held}
 
     def get_input_embeddings(self):
         return self.shared

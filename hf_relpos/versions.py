@@ -16,11 +16,12 @@ from importlib.metadata import PackageNotFoundError, version
 # `Cache.get_query_offset` and `get_mask_sizes(query_length, layer_idx)` came in 5.14-5.18).
 TESTED_TRANSFORMERS = ("5.21.0", "5.24.0")
 # torch releases the whole suite has passed on, each with the Transformers it ran with: CI's pin (a CPU wheel) with
-# the whole range; by hand (multi-GB CUDA builds on a CPU machine, 2026-11-24) the oldest torch Transformers 5
-# accepts with the oldest tested Transformers, and the newest torch with the newest Transformers, which is what a
-# fresh `pip install hf_relpos` resolves to.
+# the whole range; by hand (multi-GB CUDA builds on a CPU machine, 2026-11-24) the oldest torch with the oldest
+# tested Transformers, and the newest torch with the newest Transformers, which is what a fresh
+# `pip install hf_relpos` resolves to. (torch 2.6, the oldest Transformers 5 accepts, fails only torch.compile:
+# `torch.compiler.is_exporting`, which Transformers' compiled code calls, came in 2.7.)
 TESTED_TORCH = {
-    "2.6.0": (TESTED_TRANSFORMERS[0], TESTED_TRANSFORMERS[0]),
+    "2.7.1": (TESTED_TRANSFORMERS[0], TESTED_TRANSFORMERS[0]),
     "2.13.0": TESTED_TRANSFORMERS,
     "2.15.0": (TESTED_TRANSFORMERS[1], TESTED_TRANSFORMERS[1]),
 }

@@ -150,6 +150,7 @@ import os
 
 _TALLY = collections.defaultdict(collections.Counter)
 _FAILED = []
+_FAILED_SUBTESTS = set()  # node ids of tests with a failed subtest: the test counts as failed
 
 
 def pytest_runtest_logreport(report):
@@ -157,6 +158,7 @@ def pytest_runtest_logreport(report):
     name = report.nodeid.split("::")[-1]
     if type(report).__name__ == "SubtestReport":  # counted through their top-level test
         if report.failed:
+            _FAILED_SUBTESTS.add(report.nodeid)
             crash = getattr(report.longrepr, "reprcrash", None)
             line = crash.message if crash is not None else str(report.longrepr).splitlines()[-1]
             _FAILED.append({"class": cls, "test": name, "subtest": str(getattr(report, "context", "")),
@@ -164,6 +166,8 @@ def pytest_runtest_logreport(report):
         return
     if report.when == "call" or (report.when == "setup" and not report.passed):
         outcome = "skipped" if report.skipped else ("passed" if report.passed else "failed")
+        if report.nodeid in _FAILED_SUBTESTS:  # pytest reports the test itself as passed (or skipped)
+            outcome = "failed"
         if report.when == "setup" and report.failed:
             outcome = "error"
         _TALLY[cls][outcome] += 1

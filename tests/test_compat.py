@@ -131,6 +131,33 @@ def test_trainer_predictions_hold_the_logits_not_the_cache(tmp_path, kind):
         assert [p.shape for p in predictions] == [(4, 6, VOCAB), (4, 6, 32)]
 
 
+def test_the_old_cache_name_warns_only_where_transformers_renamed_it():
+    """From 5.24 (``CACHE_FIELD == "cache"``) ``past_key_values=`` warns as upstream models do (Transformers' own
+    ``test_bc_cache_name_forward``); before, it is the current name and stays quiet."""
+    import warnings
+
+    model, tokens = tiny("alibi"), ids()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(tokens, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        model(tokens, cache=DynamicCache(config=model.config), use_cache=True)
+    deprecations = [w for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+    assert len(deprecations) == (1 if CACHE_FIELD == "cache" else 0), [str(w.message) for w in caught]
+    assert all(w.category is FutureWarning for w in deprecations)
+
+
+def test_encoder_decoder_generate_hands_its_encoder_only_what_it_takes():
+    """``generate`` passes every model keyword argument to an encoder whose forward takes ``**kwargs``: the
+    decoder's ``logits_to_keep`` (given by the caller, or by assisted decoding) must not reach the encoder,
+    which refuses unknown keywords, and must still act in the decoding steps."""
+    model, source = seq2seq(), ids(1, 7, seed=4)  # assisted decoding takes one sequence
+    decode = dict(input_ids=source, max_new_tokens=6, do_sample=False)
+    greedy = model.generate(**decode)
+    assert torch.equal(model.generate(**decode, logits_to_keep=1), greedy)
+    assistant = seq2seq()
+    assert torch.equal(model.generate(**decode, assistant_model=assistant), greedy)
+
+
 def test_the_cache_under_both_names_at_once_is_refused():
     model, tokens = tiny("rope"), ids()
     with pytest.raises(ValueError, match="cache= or as past_key_values="):
