@@ -29,7 +29,7 @@ from .modeling_relpos import (
 from .t5_conversion import from_t5
 from .versions import untested_transformers_warning
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if (_warning := untested_transformers_warning(transformers.__version__)) is not None:
     logging.getLogger(__name__).warning(_warning)  # one line on stderr by default; silenced by logging settings

@@ -236,6 +236,7 @@ def test_declared_tested_and_pinned_versions_agree():
     assert re.fullmatch(rf"transformers>={re.escape(low)}(,<6)?", requirements["transformers"].split(";")[0].strip())
     oldest_torch = min(versions.TESTED_TORCH, key=versions.release)
     assert re.fullmatch(rf"torch>={re.escape(oldest_torch.removesuffix('.0'))}(\.0)?", requirements["torch"])
+    assert project["version"] == hf_relpos.__version__
     compat = re.search(r"^COMPAT_TRANSFORMERS \?= (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
     assert compat == [low, high]
     pins = dict(line.split("==") for line in (ROOT / "constraints-dev.txt").read_text().splitlines()
