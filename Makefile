@@ -84,7 +84,7 @@ compat-one:
 	$(VENV)-tf$(TF)/bin/python -m pip install --quiet "torch==$(TORCH_PIN)" "transformers==$(TF)" \
 		"$$(ls build/compat/wheel/hf_relpos-*.whl)[test]"
 	$(VENV)-tf$(TF)/bin/hf-relpos --version
-	OMP_NUM_THREADS=1 $(VENV)-tf$(TF)/bin/python -m pytest -q -p no:cacheprovider
+	HF_RELPOS_TEST_INSTALLED=1 OMP_NUM_THREADS=1 $(VENV)-tf$(TF)/bin/python -m pytest -q -p no:cacheprovider
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos train --output-dir runs/compat-$(TF) $(RUN_ARGS)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos generate runs/compat-$(TF) --prompt $(PROMPT) \
 		> build/compat/generate-$(TF).txt

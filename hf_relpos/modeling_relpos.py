@@ -64,9 +64,11 @@ SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 # The keyword arguments Transformers defines for every model's forward (output flags, packed sequences, the loss's
-# `num_items_in_batch`, ...) and those its token losses take. Anything else is a TypeError naming it, so that an
-# argument renamed by the next Transformers fails at once instead of being ignored.
-MODEL_KWARGS = frozenset(TransformersKwargs.__optional_keys__)
+# `num_items_in_batch`, ...) and those its token losses take, plus the `token_type_ids` that BERT-style tokenizers
+# (and so pipelines and collators) hand every model: taken when they say one segment, refused otherwise. Anything
+# else is a TypeError naming it, so that an argument renamed by the next Transformers fails at once instead of
+# being ignored.
+MODEL_KWARGS = frozenset(TransformersKwargs.__optional_keys__ | TransformersKwargs.__required_keys__) | {"token_type_ids"}
 TOKEN_LOSS_KWARGS = frozenset({"num_items_in_batch", "ignore_index"})  # ForMaskedLMLoss (the encoder-decoder)
 CAUSAL_LOSS_KWARGS = TOKEN_LOSS_KWARGS | {"shift_labels"}  # ForCausalLMLoss
 
@@ -88,7 +90,13 @@ def _one_cache(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Opti
     if past_key_values is None:
         return cache
     if cache is not None:
-        raise ValueError("pass the cache once, as cache= or as past_key_values= (its name before Transformers 5.24)")
+        import transformers
+
+        raise ValueError(
+            f"got a cache as cache= and another as past_key_values=: pass one (Transformers {transformers.__version__} "
+            f"names it {CACHE_FIELD}; its generate passes its own cache under that name, so give yours as "
+            f"{CACHE_FIELD}= there)"
+        )
     if CACHE_FIELD == "cache" and not torch.compiler.is_compiling():
         warnings.warn(
             "`past_key_values` is deprecated: Transformers 5.24 renamed it `cache`; pass the cache as cache=",
@@ -566,6 +574,12 @@ class RelPosModel(RelPosPreTrainedModel):
                 f"is_causal={is_causal!r}: this model's attention is {'causal' if self.config.is_decoder else 'bidirectional'}"
                 f" (config.is_decoder={self.config.is_decoder}); build the model with the other is_decoder instead"
             )
+        segments = kwargs.get("token_type_ids")
+        if segments is not None and not torch.compiler.is_compiling() and bool(segments.any()):
+            raise ValueError(
+                "token_type_ids with a segment other than 0: hf_relpos models have no segment embeddings (a "
+                "tokenizer's one-segment token_type_ids, all 0, are accepted)"
+            )
         if kwargs.get("output_router_logits"):
             raise ValueError("output_router_logits=True: hf_relpos models have no mixture-of-experts router")
         q, k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -618,7 +632,13 @@ class RelPosModel(RelPosPreTrainedModel):
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             # A checkpointed layer runs twice (forward, then again in backward): a cache would take its keys twice.
-            use_cache, cache, self_cache = False, None, None
+            if cache is not None:
+                raise ValueError(
+                    "a cache (cache= / past_key_values=) cannot be used with activation checkpointing in training: a "
+                    "checkpointed layer runs again in backward and would add its keys twice. Pass no cache, or "
+                    "disable checkpointing (model.gradient_checkpointing_disable())"
+                )
+            use_cache = False
         batch, length, past, mem_length = self._check_inputs(
             input_ids, inputs_embeds, attention_mask, self_cache, mems, position_ids
         )
@@ -910,8 +930,9 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
         )
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
-        # Transformers' generate still reads an output named `mems` as the cache (XLNet's legacy); our
-        # decoding memory is the (sliding) KV cache, so never feed mems back as past_key_values.
+        # Transformers' generate before 5.24 reads an output named `mems` as the cache (XLNet's legacy); our
+        # decoding memory is the (sliding) KV cache, so never feed mems back as past_key_values. (5.24 reads
+        # only `cache`: then this finds nothing to remove.)
         model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
         if isinstance(model_kwargs.get("past_key_values"), list):
             # Removed, not set to None: beam search reorders any cache it finds among the kwargs.
@@ -1048,7 +1069,7 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
         """``generate`` hands the encoder every model keyword argument when the encoder's forward takes ``**kwargs``
         (ours does, for Transformers' model keyword arguments), ``logits_to_keep`` included, which the encoder
         would refuse: hand it only what it takes, and keep the rest for the decoding steps."""
-        takes = set(inspect.signature(self.encoder.forward).parameters) | MODEL_KWARGS
+        takes = (set(inspect.signature(self.encoder.forward).parameters) | MODEL_KWARGS) - {"cache", "past_key_values"}
         held = {name: model_kwargs.pop(name) for name in list(model_kwargs) if name not in takes}
         model_kwargs = super()._prepare_text_encoder_decoder_kwargs_for_generation(
             inputs_tensor, model_kwargs, *args, **kwargs

@@ -191,6 +191,8 @@ def t5_parity(upstream, converted, seed: int = 0) -> dict:
     target = torch.randint(2, vocab, (3, 25), generator=generator)
     target_mask = torch.ones_like(target)
     target_mask[0, -4:] = 0
+    device = upstream.device  # the inputs are drawn on the CPU (the same on every device), then moved
+    source, source_mask, target, target_mask = (t.to(device) for t in (source, source_mask, target, target_mask))
     inputs = dict(input_ids=source, attention_mask=source_mask, decoder_input_ids=target,
                   decoder_attention_mask=target_mask)
     with torch.no_grad():

@@ -160,8 +160,26 @@ def test_encoder_decoder_generate_hands_its_encoder_only_what_it_takes():
 
 def test_the_cache_under_both_names_at_once_is_refused():
     model, tokens = tiny("rope"), ids()
-    with pytest.raises(ValueError, match="cache= or as past_key_values="):
+    with pytest.raises(ValueError, match=rf"as cache= and another as past_key_values=.* give yours as {CACHE_FIELD}="):
         model(tokens, cache=DynamicCache(), past_key_values=DynamicCache())
+
+
+def test_a_cache_with_activation_checkpointing_in_training_is_refused_not_dropped():
+    """A checkpointed layer runs again in backward, so a cache cannot ride along; the cache a caller passes (PEFT's
+    prefix tuning passes its prefix as one) is refused, never dropped."""
+    from tiny import enable_checkpointing
+
+    model, tokens = tiny("t5_bias").train(), ids()
+    enable_checkpointing(model)
+    prefix = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.eval()(tokens[:, :3], cache=prefix, use_cache=True)
+    model.train()
+    with pytest.raises(ValueError, match="cannot be used with activation checkpointing in training"):
+        model(tokens[:, 3:], cache=prefix, labels=tokens[:, 3:])
+    assert model(tokens, labels=tokens).loss.isfinite()  # without a cache it trains
+    with torch.no_grad():  # and without gradients nothing runs twice: the cache is used
+        assert model(tokens[:, 3:], cache=prefix, use_cache=True).logits.shape[1] == tokens.shape[1] - 3
 
 
 # ---------------------------------------------------------------------------
@@ -181,11 +199,26 @@ def _calls():
 
 @pytest.mark.parametrize("owner", ["RelPosModel", "RelPosForCausalLM", "RelPosForSequenceClassification",
                                    "RelPosForConditionalGeneration"])
-@pytest.mark.parametrize("keyword", ["past_key_value", "cache_params", "token_type_ids", "head_mask"])
+@pytest.mark.parametrize("keyword", ["past_key_value", "cache_params", "head_mask", "decoder_head_mask"])
 def test_an_unknown_keyword_argument_is_a_type_error_naming_it(owner, keyword):
     model, inputs = _calls()[owner]
     with pytest.raises(TypeError, match=rf"{owner}\.forward\(\) got an unexpected keyword argument '{keyword}'"):
-        model(**inputs, **{keyword: None if keyword != "token_type_ids" else torch.zeros_like(inputs["input_ids"])})
+        model(**inputs, **{keyword: None})
+
+
+@pytest.mark.parametrize("owner", ["RelPosModel", "RelPosForCausalLM", "RelPosForSequenceClassification",
+                                   "RelPosForConditionalGeneration"])
+def test_one_segment_token_type_ids_are_taken_other_segments_refused(owner):
+    """BERT-style tokenizers return ``token_type_ids`` (pipelines and collators pass them on): all 0 is one
+    segment, what these models compute; another segment would need segment embeddings they do not have."""
+    model, inputs = _calls()[owner]
+    with torch.no_grad():
+        expected = model(**inputs)[0]
+        segments = torch.zeros_like(inputs["input_ids"])
+        torch.testing.assert_close(model(**inputs, token_type_ids=segments)[0], expected, rtol=0, atol=0)
+        segments[:, -3:] = 1
+        with pytest.raises(ValueError, match="token_type_ids with a segment other than 0"):
+            model(**inputs, token_type_ids=segments)
 
 
 def test_transformers_model_keyword_arguments_stay_accepted():
@@ -244,7 +277,7 @@ def test_declared_tested_and_pinned_versions_agree():
     assert versions.transformers_tested(pins["transformers"]) and versions.torch_tested(pins["torch"])
 
 
-@pytest.mark.parametrize("installed, warned", [("5.20.0", True), ("5.25.0", True), ("6.0.0", True),
+@pytest.mark.parametrize("installed, warned", [("5.20.0", True), ("5.25.0", True), ("6.0.0", True), ("5.24.1", False),
                                                (versions.TESTED_TRANSFORMERS[0], False), ("5.23.0", False),
                                                (versions.TESTED_TRANSFORMERS[1], False)])
 def test_import_warns_in_one_line_outside_the_tested_transformers(installed, warned, tmp_path):
@@ -280,6 +313,7 @@ def test_version_support_helpers():
     low, high = versions.TESTED_TRANSFORMERS
     assert versions.transformers_tested(low) and versions.transformers_tested(high)
     assert not versions.transformers_tested("5.0.0") and not versions.transformers_tested("6.0.0")
+    assert versions.transformers_tested("5.24.3") and not versions.transformers_tested("5.20.9")
     assert versions.untested_transformers_warning(high) is None
     assert versions.tested_together("2.13.0+cpu", low) and versions.tested_together("2.15.0+cu132", high)
     assert not versions.tested_together("2.15.0", low) and not versions.tested_together("2.9.0", high)
