@@ -16,7 +16,7 @@ if os.environ.get("HF_RELPOS_TEST_INSTALLED"):
     sys.path.insert(0, _TESTS)
     import hf_relpos  # noqa: E402
 
-    if os.path.abspath(hf_relpos.__file__).startswith(_ROOT + os.sep):
+    if os.path.dirname(os.path.abspath(hf_relpos.__file__)) == os.path.join(_ROOT, "hf_relpos"):
         raise RuntimeError(f"HF_RELPOS_TEST_INSTALLED is set but hf_relpos comes from the checkout: {hf_relpos.__file__}")
     print(f"testing the installed hf_relpos: {os.path.dirname(hf_relpos.__file__)}")
 else:
