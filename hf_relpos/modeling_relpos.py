@@ -84,6 +84,13 @@ def _refuse_unknown_kwargs(owner: str, kwargs: dict, allowed: frozenset) -> None
             )
 
 
+def _split_loss_kwargs(owner: str, kwargs: dict, loss: frozenset) -> dict:
+    """Check a head's keyword arguments (model ones and ``loss``'s) and take the loss-only ones out of ``kwargs``;
+    returns what the loss gets (``num_items_in_batch`` stays in ``kwargs`` too: it is also a model argument)."""
+    _refuse_unknown_kwargs(owner, kwargs, MODEL_KWARGS | loss)
+    return {name: kwargs.pop(name) if name not in MODEL_KWARGS else kwargs[name] for name in loss if name in kwargs}
+
+
 def _one_cache(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optional[Cache]:
     """The cache passed under its name from Transformers 5.24 (``cache``) or its earlier one (``past_key_values``),
     which warns as upstream models do where the installed Transformers has renamed it."""
@@ -896,10 +903,7 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
         """Transformers' model keyword arguments reach the model, and ``num_items_in_batch``, ``ignore_index`` and
         ``shift_labels`` Transformers' loss; a loss is computed from ``labels`` or ``shift_labels``. The cache is
         ``cache`` or ``past_key_values`` (its name before Transformers 5.24); any other keyword is a ``TypeError``."""
-        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS | CAUSAL_LOSS_KWARGS)
-        loss_kwargs = {name: kwargs.pop(name) for name in CAUSAL_LOSS_KWARGS - MODEL_KWARGS if name in kwargs}
-        if "num_items_in_batch" in kwargs:
-            loss_kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"]
+        loss_kwargs = _split_loss_kwargs(type(self).__name__, kwargs, CAUSAL_LOSS_KWARGS)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1131,10 +1135,7 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
         score. Transformers' model keyword arguments reach both stacks, and ``num_items_in_batch`` and
         ``ignore_index`` Transformers' loss. The cache (an ``EncoderDecoderCache``) is ``cache`` or
         ``past_key_values`` (its name before Transformers 5.24); any other keyword is a ``TypeError``."""
-        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS | TOKEN_LOSS_KWARGS)
-        loss_kwargs = {name: kwargs.pop(name) for name in TOKEN_LOSS_KWARGS - MODEL_KWARGS if name in kwargs}
-        if "num_items_in_batch" in kwargs:
-            loss_kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"]
+        loss_kwargs = _split_loss_kwargs(type(self).__name__, kwargs, TOKEN_LOSS_KWARGS)
         cache = _one_cache(cache, past_key_values)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
