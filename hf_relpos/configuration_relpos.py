@@ -22,6 +22,60 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_at_least(minimum: int):
+    return lambda value: _is_int(value) and value >= minimum
+
+
+_POSITIVE_INT = (_int_at_least(1), "a positive int")
+_OPTIONAL_POSITIVE_INT = (lambda value: value is None or _int_at_least(1)(value), "a positive int")
+_POSITIVE_FLOAT = (lambda value: _is_real(value) and math.isfinite(value) and value > 0, "a finite float > 0")
+_PROBABILITY = (lambda value: _is_real(value) and 0.0 <= value < 1.0, "a float in [0, 1)")
+_BOOLEAN = (lambda value: isinstance(value, bool), "True or False")
+
+# Each field's own rule: (valid(value), what is allowed), read by one loop (RelPosConfig._validate_fields) whose
+# error is "RelPosConfig.<field> must be <allowed>, got <value>". Rules that relate fields (divisibility, rope
+# parity, T5 bucket room, mem_len, the window, token ids within the vocabulary) are in validate_architecture.
+FIELD_RULES = {
+    "position_encoding": (lambda value: value in POSITION_ENCODINGS, f"one of {list(POSITION_ENCODINGS)}"),
+    "vocab_size": _POSITIVE_INT,
+    "hidden_size": _POSITIVE_INT,
+    "intermediate_size": _POSITIVE_INT,
+    "num_hidden_layers": _POSITIVE_INT,
+    "num_attention_heads": _POSITIVE_INT,
+    "max_position_embeddings": _POSITIVE_INT,
+    "fire_mlp_width": _POSITIVE_INT,
+    "head_dim": _OPTIONAL_POSITIVE_INT,
+    "hidden_act": (lambda value: value in HIDDEN_ACTS, f"one of {list(HIDDEN_ACTS)}"),
+    "feed_forward_proj": (
+        lambda value: value is None or value in FEED_FORWARD_PROJS,
+        f"None (hidden_act, not gated) or one of {list(FEED_FORWARD_PROJS)}",
+    ),
+    "relative_attention_num_buckets": (_int_at_least(2), "an int >= 2"),
+    "max_relative_position": (_int_at_least(0), "an int >= 0"),
+    "mem_len": (_int_at_least(0), "an int >= 0"),
+    "clamp_len": (lambda value: _is_int(value) and (value == -1 or value >= 1), "-1 (no clamping) or an int >= 1"),
+    "log_decay_scale": _POSITIVE_FLOAT,
+    "fire_threshold": _POSITIVE_FLOAT,
+    "rope_theta": _POSITIVE_FLOAT,
+    "rms_norm_eps": _POSITIVE_FLOAT,
+    "initializer_range": _POSITIVE_FLOAT,
+    "hidden_dropout": _PROBABILITY,
+    "attention_dropout": _PROBABILITY,
+    "is_decoder": _BOOLEAN,
+    "is_encoder_decoder": _BOOLEAN,
+    "shaw_value_embeddings": _BOOLEAN,
+    "attention_bias": _BOOLEAN,
+    "use_cache": _BOOLEAN,
+    "tie_word_embeddings": _BOOLEAN,
+    "scale_decoder_outputs": _BOOLEAN,
+    "num_decoder_layers": _OPTIONAL_POSITIVE_INT,
+}
+
+
 class RelPosConfig(PreTrainedConfig):
     r"""Configuration of a pre-norm Transformer whose attention uses one of hf_relpos' position schemes.
 
@@ -117,59 +171,27 @@ class RelPosConfig(PreTrainedConfig):
         self._validate_fields()
         super().__post_init__(**kwargs)
 
-    # Validation runs at construction (and again on save) so that a bad value fails where it is written,
-    # not at the first forward.
+    # Validation runs at construction and again on save (``validate``), so that a bad value fails where it is
+    # written, not at the first forward: each field's own rule first (FIELD_RULES), then the rules between fields.
     def _validate_fields(self) -> None:
-        def positive_int(name):
+        for name, (valid, allowed) in FIELD_RULES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RelPosConfig.{name} must be a positive int, got {value!r}")
-
-        def int_at_least(name, minimum, allowed):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if not valid(value):
                 raise ValueError(f"RelPosConfig.{name} must be {allowed}, got {value!r}")
+        self.validate_architecture()
 
-        def probability(name):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ValueError(f"RelPosConfig.{name} must be a float in [0, 1), got {value!r}")
-
-        def positive_float(name):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ValueError(f"RelPosConfig.{name} must be a finite float > 0, got {value!r}")
-
-        def boolean(name):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"RelPosConfig.{name} must be True or False, got {value!r}")
-
-        if self.position_encoding not in POSITION_ENCODINGS:
-            raise ValueError(
-                f"RelPosConfig.position_encoding must be one of {list(POSITION_ENCODINGS)}, "
-                f"got {self.position_encoding!r}"
-            )
+    def validate_architecture(self) -> None:
+        """The rules between fields (every field already passed its own rule in ``FIELD_RULES``)."""
         if self.position_encoding in CAUSAL_ONLY and self.is_decoder is not True:
             raise ValueError(
                 f"RelPosConfig.is_decoder must be True for position_encoding={self.position_encoding!r} (defined for "
                 f"causal attention only), got {self.is_decoder!r}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "max_position_embeddings", "fire_mlp_width"):
-            positive_int(name)
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"RelPosConfig.hidden_size must be divisible by num_attention_heads={self.num_attention_heads} "
                 f"(or head_dim given), got {self.hidden_size}"
             )
-        if self.head_dim is not None:
-            positive_int("head_dim")
         head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         if self.position_encoding == "rope" and head_dim % 2:
             raise ValueError(f"RelPosConfig.head_dim must be even for rope (rotated pairs), got {head_dim}")
@@ -178,71 +200,47 @@ class RelPosConfig(PreTrainedConfig):
                 f"RelPosConfig.hidden_size must be even for {self.position_encoding} (sin and cos halves), "
                 f"got {self.hidden_size}"
             )
-        if self.hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"RelPosConfig.hidden_act must be one of {list(HIDDEN_ACTS)}, got {self.hidden_act!r}")
-        if self.feed_forward_proj is not None and self.feed_forward_proj not in FEED_FORWARD_PROJS:
-            raise ValueError(
-                f"RelPosConfig.feed_forward_proj must be None (hidden_act, not gated) or one of "
-                f"{list(FEED_FORWARD_PROJS)}, got {self.feed_forward_proj!r}"
-            )
         # T5 buckets: each direction needs one exact bucket and room for log-spaced ones.
-        int_at_least("relative_attention_num_buckets", 2, "an int >= 2")
-        bidirectional = not self.is_decoder or self.is_encoder_decoder is True  # an encoder-decoder's encoder
+        bidirectional = not self.is_decoder or self.is_encoder_decoder  # an encoder-decoder's encoder
         one_side = self.relative_attention_num_buckets // (2 if bidirectional else 1)
         if one_side // 2 < 1:
             raise ValueError(
                 "RelPosConfig.relative_attention_num_buckets must be >= 4 for a bidirectional model "
                 f"(is_decoder=False or is_encoder_decoder=True), got {self.relative_attention_num_buckets}"
             )
-        int_at_least(
-            "relative_attention_max_distance", one_side // 2 + 1,
-            f"an int > {one_side // 2} (the exact-bucket region of {self.relative_attention_num_buckets} buckets)",
-        )
-        int_at_least("max_relative_position", 0, "an int >= 0")
-        int_at_least("mem_len", 0, "an int >= 0")
-        if isinstance(self.clamp_len, bool) or not isinstance(self.clamp_len, int) or not (
-            self.clamp_len == -1 or self.clamp_len >= 1
-        ):
-            raise ValueError(f"RelPosConfig.clamp_len must be -1 (no clamping) or an int >= 1, got {self.clamp_len!r}")
+        max_distance = self.relative_attention_max_distance
+        if not _is_int(max_distance) or max_distance <= one_side // 2:
+            raise ValueError(
+                f"RelPosConfig.relative_attention_max_distance must be an int > {one_side // 2} (the exact-bucket "
+                f"region of {self.relative_attention_num_buckets} buckets), got {max_distance!r}"
+            )
         if self.mem_len > 0 and self.position_encoding != "transformer_xl":
             raise ValueError(
                 f"RelPosConfig.mem_len must be 0 unless position_encoding='transformer_xl', got mem_len={self.mem_len} "
                 f"with position_encoding={self.position_encoding!r}"
             )
         self._check_window(getattr(self, "_window", None))
-        positive_float("log_decay_scale")
-        positive_float("fire_threshold")
-        positive_float("rope_theta")
-        positive_float("rms_norm_eps")
-        positive_float("initializer_range")
-        probability("hidden_dropout")
-        probability("attention_dropout")
-        for name in ("is_decoder", "is_encoder_decoder", "shaw_value_embeddings", "attention_bias", "use_cache",
-                     "tie_word_embeddings", "scale_decoder_outputs"):
-            boolean(name)
-        if self.num_decoder_layers is not None:
-            positive_int("num_decoder_layers")
         if self.is_encoder_decoder:
             self._check_encoder_decoder()
         for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size
-            ):
+            if value is not None and not (_is_int(value) and 0 <= value < self.vocab_size):
                 raise ValueError(
                     f"RelPosConfig.{name} must be None or an int in [0, vocab_size={self.vocab_size}), got {value!r}"
                 )
-
         eos = self.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
-        if eos is not None and (
-            not eos_ids
-            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size for i in eos_ids)
-        ):
+        if eos is not None and (not eos_ids or not all(_is_int(i) and 0 <= i < self.vocab_size for i in eos_ids)):
             raise ValueError(
                 f"RelPosConfig.eos_token_id must be None, an int or a list of ints in [0, vocab_size={self.vocab_size}), "
                 f"got {eos!r}"
             )
+
+    def validate(self) -> None:
+        """Transformers validates a config before saving it: every rule runs again, so that a field set to a bad
+        value after construction fails there too."""
+        super().validate()
+        self._validate_fields()
 
     def _check_encoder_decoder(self) -> None:
         """What an encoder-decoder needs: a scheme defined for the bidirectional encoder, and no Transformer-XL
@@ -274,10 +272,6 @@ class RelPosConfig(PreTrainedConfig):
         if self.is_encoder_decoder and decoder and not encoder:
             return self.stack_config(decoder=True)
         return super().get_text_config(decoder=decoder, encoder=encoder)
-
-    def validate_architecture(self):
-        """Called by Transformers' strict validation (e.g. on save): re-check every field."""
-        self._validate_fields()
 
     @property
     def memory_window(self) -> int | None:

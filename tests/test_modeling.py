@@ -226,6 +226,17 @@ def test_config_rejects_invalid_values_from_dict_and_json(tmp_path):
         RelPosConfig.from_pretrained(tmp_path)
 
 
+# A field set after construction is checked when the config is saved (Transformers calls config.validate()
+# there): before, a config mutated to a bad value was written as it was.
+@pytest.mark.parametrize("field,value", [("hidden_size", -3), ("clamp_len", 0), ("mem_len", 4)])
+def test_config_set_after_construction_is_checked_on_save(tmp_path, field, value):
+    config = tiny_config("t5_bias")
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=f"RelPosConfig.{field} must be"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
 @pytest.mark.parametrize("position_encoding", ENCODINGS)
 def test_config_accepts_every_scheme(position_encoding):
     config = tiny_config(position_encoding)
