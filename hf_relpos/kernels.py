@@ -276,18 +276,20 @@ class _BandedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, rows):
+    def forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, pass_rows):
         with torch.autocast(q.device.type, enabled=False):  # the band in float32 whatever autocast asks
-            return _BandedAttention._forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, rows)
+            return _BandedAttention._forward(
+                ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, pass_rows
+            )
 
     @staticmethod
-    def _forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, rows):
+    def _forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, pass_rows):
         work = torch.promote_types(q.dtype, torch.float32)
         cast = lambda t: None if t is None else t.to(work)  # noqa: E731
         n = q.shape[2]
         qw, kw, vw, rel_kw, rel_vw, biasw = q.to(work), k.to(work), v.to(work), cast(rel_k), cast(rel_v), cast(bias)
         out, lse = q.new_empty(*q.shape[:3], v.shape[-1], dtype=work), q.new_empty(q.shape[:3], dtype=work)
-        for start, stop in _row_chunks(n, rows):
+        for start, stop in _row_chunks(n, pass_rows):
             band = _Band(n, reach, causal, block, q.device, keys, (start, stop))
             s = band.scores(qw, kw, rel_kw, biasw, scale)
             rows_lse = torch.logsumexp(s, dim=-1)  # -inf only for a row whose band keys are all masked
@@ -311,7 +313,7 @@ class _BandedAttention(torch.autograd.Function):
                 parts += [part_out, part_lse]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, rel_k, rel_v, bias, keys, out, _finite(lse), *parts)
-        ctx.reach, ctx.causal, ctx.scale, ctx.block, ctx.rows = reach, causal, scale, block, rows
+        ctx.reach, ctx.causal, ctx.scale, ctx.block, ctx.pass_rows = reach, causal, scale, block, pass_rows
         return out
 
     @staticmethod
@@ -365,7 +367,7 @@ class _BandedAttention(torch.autograd.Function):
         leaves = [None if t is None else t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k, rel_v, bias)]
         wanted = [t for t in leaves if t is not None]
         sums = None
-        for start, stop in _row_chunks(n, ctx.rows):  # a pass at a time keeps the recomputed band's graph small
+        for start, stop in _row_chunks(n, ctx.pass_rows):  # a pass at a time keeps the recomputed band's graph small
             rows = slice(start, stop)
             with torch.enable_grad():
                 band = _Band(n, reach, causal, ctx.block, q.device, keys, (start, stop))
