@@ -1,12 +1,23 @@
 """The math of every position scheme, in pure PyTorch (no Transformers import).
 
-Layout everywhere is ``[batch, heads, seq, head_dim]`` as in
-``torch.nn.functional.scaled_dot_product_attention``. A query at index ``i`` of a
-call that follows ``past_length`` earlier tokens sits at absolute position
-``past_length + i``; key ``j`` sits at absolute position ``j``.
+Each public function states its equation, the shapes of its arguments and what it returns, and names the
+slow, obviously correct reference it is tested against (in ``tests/oracles.py`` unless said otherwise). The
+fast paths some of them take on CPU live in ``kernels.py`` (see each ``Note``); they compute the same
+equation. The functions here check their arguments and choose the path.
+
+Shapes (the layout of ``torch.nn.functional.scaled_dot_product_attention``: ``[B, H, seq, D]``):
+
+- ``B`` batch, ``H`` heads, ``D`` head size (``D_v`` of the values where it differs);
+- ``Q`` query rows of the call, ``K`` keys, ``n`` the length of a self-attention call (``Q = K = n``);
+- ``M = K - Q`` Transformer-XL's memory, ``R`` the rows of its relative embeddings ``r``;
+- ``k`` Shaw's ``max_relative_position``, ``s`` the distance beyond which a saturating bias is constant;
+- ``X|1``: of size ``X`` or 1 (broadcast).
+
+Positions: a query at index ``i`` of a call that follows ``past_length`` earlier tokens sits at absolute
+position ``past_length + i``; key ``j`` sits at absolute position ``j``.
 
 ``attention_mask`` follows SDPA: a boolean tensor (True = may attend) or an additive
-float tensor, broadcastable to ``[batch, heads, q_len, k_len]``. In an additive mask,
+float tensor, broadcastable to ``[B, H, Q, K]``. In an additive mask,
 ``-inf`` and the dtype's most negative finite value (Transformers' convention) both
 mean "masked". A query row with no key left gives zeros, never NaN.
 
@@ -174,12 +185,24 @@ def attention_with_bias(
     scale: Optional[float] = None,
     chunk_size: int = 256,
 ) -> torch.Tensor:
-    """``softmax(q k^T · scale + bias) v`` -> ``[B, H, Q, D]`` for a bias that is trained (e.g. T5's).
+    """``z = softmax(q k^T · scale + bias) v`` for a bias that is trained (e.g. T5's).
 
-    ``bias`` is an additive float tensor ``[B|1, H|1, Q, K]``. On CPU the forward runs SDPA's fused
-    kernel and the backward recomputes the probabilities in chunks of ``chunk_size`` query rows, so
-    no ``[B, H, Q, K]`` probability tensor is kept between forward and backward (extra backward memory
-    O(B·H·chunk_size·K) besides the bias gradient). Elsewhere it is plain SDPA.
+    Args:
+        q: ``[B, H, Q, D]``; k: ``[B, H, K, D]``; v: ``[B, H, K, D_v]``.
+        bias: additive float ``[B|1, H|1, Q, K]``; gets its gradient.
+        scale: default ``1 / sqrt(D)``.
+        chunk_size: query rows per chunk of the CPU backward.
+
+    Returns:
+        ``[B, H, Q, D_v]``.
+
+    Note:
+        On CPU with a gradient wanted, :func:`kernels.fused_bias_attention`: SDPA's fused kernel forward, a
+        backward that recomputes the probabilities ``chunk_size`` rows at a time, so no ``[B, H, Q, K]``
+        probability tensor is kept (extra backward memory ``O(B·H·chunk_size·K)`` besides the bias
+        gradient). Elsewhere plain SDPA.
+
+    Reference: the float64 softmax in ``tests/test_attention_with_bias.py``.
     """
     _check_qkv(q, k, v)
     B, H, Q, D = q.shape
@@ -228,6 +251,15 @@ def t5_relative_position_bucket(
     log-spaced up to ``max_distance``; farther distances share the last bucket. Bit-identical to
     Transformers' ``T5Attention._relative_position_bucket`` (the same float32 operations in the
     same order), but raises where upstream would return out-of-range buckets.
+
+    Args:
+        relative_position: an integer tensor of any shape.
+        bidirectional, num_buckets, max_distance: T5's configuration.
+
+    Returns:
+        a long tensor of ``relative_position``'s shape, in ``[0, num_buckets)``.
+
+    Reference: upstream ``T5Attention._relative_position_bucket`` (``tests/test_functional.py``).
     """
     if not isinstance(relative_position, torch.Tensor):
         raise TypeError(f"relative_position must be an integer torch.Tensor, got {type(relative_position).__name__}")
@@ -267,11 +299,20 @@ def t5_position_bias(
     max_distance: int = 128,
     past_length: int = 0,
 ) -> torch.Tensor:
-    """T5's additive bias ``B[h, i, j] = weight[bucket(j - (past_length + i)), h]`` -> ``[1, H, Q, K]``.
+    """T5's additive bias ``B[h, i, j] = weight[bucket(j - (past_length + i)), h]``.
 
-    ``weight`` is the ``[num_buckets, H]`` table (T5's ``nn.Embedding.weight``). Equals upstream
-    ``T5Attention.compute_bias(Q, K, past_seen_tokens=past_length)``. Only the ``Q`` query rows
-    asked for are computed, so a decoding step costs one row per new token.
+    Equals upstream ``T5Attention.compute_bias(Q, K, past_seen_tokens=past_length)``. Only the ``Q`` query
+    rows asked for are computed, so a decoding step costs one row per new token.
+
+    Args:
+        weight: ``[num_buckets, H]``, the table (T5's ``nn.Embedding.weight``).
+        query_length, key_length: ``Q``, ``K``.
+        bidirectional, max_distance: T5's configuration; past_length: the queries' offset.
+
+    Returns:
+        ``[1, H, Q, K]`` in ``weight``'s dtype.
+
+    Reference: upstream ``T5Attention.compute_bias`` (``tests/test_functional.py``).
     """
     _check_tensor("weight", weight, 2, "[num_buckets, heads]")
     query_length = _check_int("query_length", query_length)
@@ -302,6 +343,11 @@ def t5_saturation_distance(bidirectional: bool = True, num_buckets: int = 32, ma
 
     Buckets grow with ``|d|`` and the last one is reached by ``max_distance`` at the latest, so
     T5's bias is constant per head and side beyond ``s - 1``.
+
+    Returns:
+        ``s``, an int >= 1.
+
+    Reference: upstream buckets (``tests/test_bias_band.py``).
     """
     _check_t5_buckets(bidirectional, num_buckets, max_distance)
     distances = torch.arange(max_distance + 1)
@@ -310,9 +356,17 @@ def t5_saturation_distance(bidirectional: bool = True, num_buckets: int = 32, ma
 
 
 def t5_bias_by_distance(weight: torch.Tensor, *, bidirectional: bool = True, max_distance: int = 128) -> torch.Tensor:
-    """T5's bias per clipped distance -> ``[H, 2s+1]``: column ``s + d`` holds the bias of ``d = j - i``
-    for ``d = -s .. s``, where ``s`` = :func:`t5_saturation_distance`; columns ``0`` and ``2s`` hold the
-    bias of every farther distance on their side. The input :func:`saturating_bias_attention` takes."""
+    """T5's bias per clipped distance: column ``s + d`` holds the bias of ``d = j - i`` for ``d = -s .. s``.
+
+    ``s`` = :func:`t5_saturation_distance`; columns ``0`` and ``2s`` hold the bias of every farther
+    distance on their side. The input :func:`saturating_bias_attention` takes.
+
+    Args:
+        weight: ``[num_buckets, H]``; bidirectional, max_distance: T5's configuration.
+
+    Returns:
+        ``[H, 2s+1]``.
+    """
     _check_tensor("weight", weight, 2, "[num_buckets, heads]")
     s = t5_saturation_distance(bidirectional, weight.shape[0], max_distance)
     distances = torch.arange(-s, s + 1, device=weight.device)
@@ -335,14 +389,27 @@ def saturating_bias_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Self-attention with a per-head bias of the relative distance that is constant beyond ``s`` -> ``[B, H, n, D]``.
+    """Self-attention with a per-head bias of the distance that is constant beyond ``s``.
 
-    ``bias`` is ``[H, 2s+1]``: ``B[h, i, j] = bias[h, clamp(j - i, -s, s) + s]`` (T5's bucketed bias
-    is such a bias: :func:`t5_bias_by_distance`). ``softmax(q k^T · scale + B + mask) v``; ``is_causal``
-    masks keys ``j > i``. On CPU, once ``n`` is long enough and the mask masks keys alone (bool
-    ``[B|1, H|1, 1, n]``, as padding does) or is None, the band ``|j - i| < s`` is explicit and the
-    ranges beyond it run in the fused kernel (:class:`_BandedAttention`): no ``[B|1, H, n, n]`` tensor,
-    and a causal model skips the masked half. Otherwise the bias is spread over ``[B|1, H, n, n]``.
+    ``B[h, i, j] = bias[h, clamp(j - i, -s, s) + s]``, ``z = softmax(q k^T · scale + B + mask) v``;
+    ``is_causal`` masks keys ``j > i``. T5's bucketed bias is such a bias (:func:`t5_bias_by_distance`).
+
+    Args:
+        q, k: ``[B, H, n, D]``; v: ``[B, H, n, D_v]``.
+        bias: ``[H, 2s+1]``, ``s >= 1``.
+        attention_mask: see the module docstring; scale: default ``1 / sqrt(D)``.
+
+    Returns:
+        ``[B, H, n, D_v]``.
+
+    Note:
+        On CPU, from ``kernels.BIAS_BAND_MIN_LENGTH`` tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal) and
+        with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes),
+        :func:`kernels.saturating_bias_banded`: the band ``|j - i| < s`` explicit, the ranges beyond it in
+        the fused kernel; no ``[B|1, H, n, n]`` tensor, and a causal model skips the masked half.
+        Otherwise the bias is spread over ``[B|1, H, n, n]`` (:func:`attention_with_bias`).
+
+    Reference: ``t5_attention_oracle`` in ``tests/test_bias_band.py`` (upstream's buckets, float64).
     """
     _check_qkv(q, k, v)
     B, H, n, D = q.shape
@@ -385,16 +452,26 @@ def shaw_attention(
 
     With ``r_ij = clamp(j - (past_length + i), -k, k) + k``:
     ``e_ij = (q_i·k_j + q_i·rel_k[r_ij]) / sqrt(D)``, ``a = softmax_j(e + mask)``,
-    ``z_i = Σ_j a_ij (v_j + rel_v[r_ij])``.
+    ``z_i = Σ_j a_ij (v_j + rel_v[r_ij])``. ``is_causal`` masks keys ``j > past_length + i``.
 
-    Never forms a ``[.., q, k, D]`` tensor. On CPU, self-attention without mask, cache or dropout
-    splits into far-left and far-right parts run by the fused kernel and a band ``|j - i| < k``
-    (:class:`_BandedAttention`), so no ``[B, H, Q, K]`` tensor is formed either. Otherwise the key term is
-    ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``) gathered by ``r_ij``, and the value term sums ``a`` per
-    clipped distance (``[B, H, Q, 2k+1]``) and multiplies by ``rel_v``.
+    Args:
+        q: ``[B, H, Q, D]``; k: ``[B, H, K, D]``; v: ``[B, H, K, D_v]``.
+        rel_k: ``[2k+1, D]``; rel_v: ``[2k+1, D_v]`` or None (keys only); shared by all heads.
+        max_relative_position: ``k``; past_length: the queries' offset; dropout_p: on ``a``.
+        need_weights: also return ``a``.
 
-    With ``need_weights=True`` returns ``(z, a)``: the probabilities ``a`` ``[B, H, Q, K]`` (after
-    dropout, zeros for a query with no key left) come from the gathered form, which materialises them.
+    Returns:
+        ``z`` ``[B, H, Q, D_v]``; with ``need_weights``, ``(z, a)`` with ``a`` ``[B, H, Q, K]`` (after
+        dropout, zeros for a query with no key left).
+
+    Note:
+        Never forms a ``[.., Q, K, D]`` tensor: the key term is ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``)
+        gathered by ``r_ij``, the value term sums ``a`` per clipped distance and multiplies by ``rel_v``.
+        On CPU self-attention without cache, dropout or weights, with no mask or a key mask, from
+        ``kernels.SHAW_BAND_MIN_LENGTH`` tokens: :func:`kernels.shaw_banded` (far-left and far-right
+        parts in the fused kernel, a band ``|j - i| < k``), no ``[B, H, Q, K]`` tensor either.
+
+    Reference: ``shaw_ref`` (float64 loops), ``shaw_torch_ref`` (for gradients).
     """
     _check_qkv(q, k, v)
     max_relative_position = _check_int("max_relative_position", max_relative_position)
@@ -462,18 +539,30 @@ def transformer_xl_attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
 ):
-    """Transformer-XL relative attention (Dai et al. 2019, eq. in sec. 3.3).
+    """Transformer-XL relative attention (Dai et al. 2019, sec. 3.3).
 
-    ``e_ij = ((q_i + u)·k_j + (q_i + w)·r[d = (M+i) - j]) / sqrt(D)`` where the ``K`` keys are
-    ``M = K - Q`` memory positions followed by the ``Q`` current ones. ``r`` is ``[H, R, D]``
-    (projected relative embeddings ``W_{k,R} R_d``, distances descending from ``K-1``); ``u`` and
-    ``w`` (the paper's ``v``) are ``[H, D]``. Terms (b)+(d) are one matmul with ``q + w`` followed by
-    the relative shift; that score matrix is an additive bias for the fused attention of ``q + u``
-    against the keys (terms (a)+(c)), in chunks of query rows (:class:`_TransformerXLAttention`).
+    ``e_ij = ((q_i + u)·k_j + (q_i + w)·r[d = (M+i) - j]) / sqrt(D)``: the ``K`` keys are ``M = K - Q``
+    memory positions followed by the ``Q`` current ones; terms (a)+(c) are the content, (b)+(d) the
+    position. With ``is_causal`` keys ``j > M+i`` are masked; without it ``r`` must cover the negative
+    distances.
 
-    With ``need_weights=True`` (or dropout) the scores are formed explicitly; then it returns
-    ``(z, a)`` with the probabilities ``a`` ``[B, H, Q, K]`` (after dropout, zeros for a query with
-    no key left).
+    Args:
+        q: ``[B, H, Q, D]``; k, v: ``[B, H, K, D]`` with ``K >= Q``.
+        r: ``[H, R, D]``, the projected relative embeddings ``W_{k,R} R_d`` for ``d = K-1, K-2, ..``
+            descending: ``R >= K`` causal, ``R >= K + Q - 1`` otherwise.
+        u, w: ``[H, D]``, the paper's ``u`` and ``v``.
+        dropout_p: on the probabilities; need_weights: also return them.
+
+    Returns:
+        ``z`` ``[B, H, Q, D]``; with ``need_weights``, ``(z, a)`` with ``a`` ``[B, H, Q, K]`` (after
+        dropout, zeros for a query with no key left).
+
+    Note:
+        Without dropout or weights, :func:`kernels.txl_chunked`: (b)+(d) is one matmul with ``q + w``
+        read through the relative shift, an additive bias for the fused attention of ``q + u``, in
+        chunks of query rows; no ``[B, H, Q, K]`` tensor. Otherwise the scores are formed explicitly.
+
+    Reference: ``txl_ref`` (float64 loops), ``txl_torch_ref`` (for gradients).
     """
     _check_qkv(q, k, v)
     dropout_p = _check_dropout(dropout_p)
@@ -516,8 +605,15 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """Transformer-XL's ``R`` (Vaswani et al. 2017 frequencies): ``[sin(p·f_k), cos(p·f_k)]``.
 
     ``f_k = 10000^(-2k/dim)`` for ``k = 0 .. dim/2-1``; the sin half first, then the cos half,
-    as in the original code. Returns ``[len(positions), dim]`` in ``positions``' float dtype
-    (float32 for integer positions).
+    as in the original code.
+
+    Args:
+        positions: ``[len]``; dim: even.
+
+    Returns:
+        ``[len, dim]`` in ``positions``' float dtype (float32 for integer positions).
+
+    Reference: ``sinusoidal_ref``.
     """
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"positions must be a 1-D torch.Tensor, got {type(positions).__name__}")
@@ -547,7 +643,13 @@ def log_decay_bias(
     device: Optional[torch.device] = None,
     dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """The parameter-free bias ``B_ij = -scale · ln(1 + |j - (past_length + i)|)`` -> ``[Q, K]``."""
+    """The parameter-free bias ``B_ij = -scale · ln(1 + |j - (past_length + i)|)``.
+
+    Returns:
+        ``[Q, K]`` in ``dtype`` (default: torch's default dtype).
+
+    Reference: ``log_decay_ref``.
+    """
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
     past_length = _check_offset("past_length", past_length)
@@ -569,6 +671,11 @@ def alibi_slopes(
 
     For ``n`` a power of two, ``m_h = 2^(-8h/n)``, ``h = 1 .. n``. Otherwise take the slopes of
     the largest power of two ``c < n`` and append every other slope of the ``2c`` sequence.
+
+    Returns:
+        ``[H]`` with ``H = num_heads``.
+
+    Reference: ``alibi_slopes_ref``.
     """
     num_heads = _check_int("num_heads", num_heads, 1)
     if dtype is not None and not dtype.is_floating_point:
@@ -586,7 +693,16 @@ def alibi_slopes(
 
 
 def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0) -> torch.Tensor:
-    """ALiBi's bias ``B[h, i, j] = -m_h · |j - (past_length + i)|`` -> ``[1, H, Q, K]``."""
+    """ALiBi's bias ``B[h, i, j] = -m_h · |j - (past_length + i)|``.
+
+    Args:
+        slopes: ``[H]`` (:func:`alibi_slopes`).
+
+    Returns:
+        ``[1, H, Q, K]``.
+
+    Reference: ``alibi_bias_ref``.
+    """
     _check_tensor("slopes", slopes, 1, "[heads]")
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
@@ -598,11 +714,19 @@ def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past
 
 
 def alibi_key_bias(slopes: torch.Tensor, key_length: int) -> torch.Tensor:
-    """ALiBi's causal bias as a bias per key -> ``[H, K]``: ``m_h · (j - (K - 1))``.
+    """ALiBi's causal bias as a bias per key: ``m_h · (j - (K - 1))``.
 
     For a query at ``i`` and keys ``j <= i``, ``-m_h (i - j) = m_h (j - (K-1)) - m_h (i - (K-1))``, and the
     last term is constant along the query's row, which softmax ignores. Measured from the last key,
     so the most recent keys carry the smallest values. :func:`causal_key_bias_attention` takes it.
+
+    Args:
+        slopes: ``[H]``; key_length: ``K``.
+
+    Returns:
+        ``[H, K]``.
+
+    Reference: ``alibi_causal_oracle`` in ``tests/test_key_bias.py``.
     """
     _check_tensor("slopes", slopes, 1, "[heads]")
     key_length = _check_int("key_length", key_length)
@@ -620,19 +744,31 @@ def causal_key_bias_attention(
     attention_mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Causal self-attention with a bias per key: ``softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v`` -> ``[B, H, n, D]``.
+    """Causal self-attention with a bias per key.
 
-    ``key_bias`` is ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`; give it in float64 so that its
-    differences stay exact). On CPU in float32/float64, with no mask or one that masks keys alone
-    (bool ``[B|1, H|1, 1, n]``, as padding does), the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
-    fused kernel together with its causal flag, which skips the masked half: no ``[Q, K]`` tensor
-    (:class:`_CausalKeyBiasAttention`). The kernel adds the bias to the scores in the inputs'
-    precision: measured from the last row of each chunk of ``_KEY_BIAS_CHUNK`` rows, the values it
-    adds for the keys that matter stay below ALiBi's ``m_h · 2048``, so the logits carry at most about
-    ``eps · m_h · 2048`` (6e-5 in float32 for slope 1/2, against 1e-6 for the exact form). Elsewhere
-    (other devices, half precision, where that error would be large, other masks, a key bias that
-    needs a gradient) the bias is applied exactly as ``key_bias[h, j] - key_bias[h, i]`` over
-    ``[B|1, H, n, n]``. A row with no key left gives zeros.
+    ``z_i = softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v``.
+
+    Args:
+        q, k, v: ``[B, H, n, D]``.
+        key_bias: ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`; give it in float64 so that its
+            differences stay exact).
+        attention_mask: see the module docstring; scale: default ``1 / sqrt(D)``.
+
+    Returns:
+        ``[B, H, n, D]``; a row with no key left gives zeros.
+
+    Note:
+        On CPU in float32/float64, with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding
+        makes), :func:`kernels.causal_key_bias`: the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
+        fused kernel with its causal flag, which skips the masked half; no ``[Q, K]`` tensor. The kernel
+        adds the bias in the inputs' precision; measured from the last row of each chunk of
+        ``kernels.KEY_BIAS_CHUNK`` rows, the values it adds for the keys that matter stay below ALiBi's
+        ``m_h · 2048``, so the logits carry at most about ``eps · m_h · 2048`` (6e-5 in float32 for slope
+        1/2, against 1e-6 for the exact form). Elsewhere (other devices, half precision, where that error
+        would be large, other masks, a key bias that needs a gradient) the bias is applied exactly as
+        ``key_bias[h, j] - key_bias[h, i]`` over ``[B|1, H, n, n]``.
+
+    Reference: ``alibi_causal_oracle`` in ``tests/test_key_bias.py``.
     """
     _check_qkv(q, k, v)
     B, H, n, D = q.shape
@@ -661,10 +797,18 @@ def causal_key_bias_attention(
 def kerple_log_bias(
     r1: torch.Tensor, r2: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0
 ) -> torch.Tensor:
-    """KERPLE's logarithmic kernel ``B[h, i, j] = -r1_h · ln(1 + r2_h · |j - (past_length + i)|)`` -> ``[1, H, Q, K]``.
+    """KERPLE's logarithmic kernel ``B[h, i, j] = -r1_h · ln(1 + r2_h · |j - (past_length + i)|)``.
 
-    ``r1``, ``r2``: ``[H]``, positive (Chi et al. 2022, the "log" variant of their conditionally positive
-    definite kernels). The fixed log-decay bias is the case ``r1 = scale``, ``r2 = 1``.
+    Chi et al. 2022, the "log" variant of their conditionally positive definite kernels. The fixed
+    log-decay bias is the case ``r1 = scale``, ``r2 = 1``.
+
+    Args:
+        r1, r2: ``[H]``, positive.
+
+    Returns:
+        ``[1, H, Q, K]``.
+
+    Reference: ``kerple_log_ref``.
     """
     _check_tensor("r1", r1, 1, "[heads]")
     _check_tensor("r2", r2, 1, "[heads]")
@@ -697,18 +841,28 @@ def fire_bias(
     positions: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """FIRE (Li et al. 2024, its bias with a learned threshold): ``B[h, i, j] = f(ψ(i' - j) / ψ(max(L, p_i)))_h``
-    -> ``[B|1, H, Q, K]``.
+    """FIRE (Li et al. 2024, its bias with a learned threshold): ``B[h, i, j] = f(ψ(i' - j) / ψ(max(L, p_i)))_h``.
 
     ``i' = past_length + i`` is the query's index among the keys (distances are ``i' - j``); ``p_i`` its
-    position in its sequence, ``positions`` ``[B|1, Q]`` (default ``i'``), which differs from ``i'`` when keys
-    were dropped (a sliding window), in packed rows or after left padding; ``ψ(x) = ln(1 + |c·x|)`` the log transform with a
-    learned ``c``; ``L = threshold`` the learned length below which the normaliser stays ``ψ(L)``
-    (progressive interpolation beyond it); ``f(x) = w2·relu(w1·x + b1) + b2`` the learned MLP, given as an
-    ``nn.Linear`` pair's weights: ``w1`` ``[width, 1]``, ``b1`` ``[width]``, ``w2`` ``[H, width]``, ``b2``
-    ``[H]``; ``c`` and ``threshold`` are 0-d. ``eps`` keeps ``ψ(max(L, p_i))`` away from 0, as the paper's
-    code does. Meant for causal attention (``j <= p_i``); the MLP runs over blocks of query rows, each
-    recomputed in backward, so its ``[rows, K, width]`` hidden layer is never whole.
+    position in its sequence, which differs from ``i'`` when keys were dropped (a sliding window), in
+    packed rows or after left padding; ``ψ(x) = ln(1 + |c·x|)`` the log transform with a learned ``c``;
+    ``L = threshold`` the learned length below which the normaliser stays ``ψ(L)`` (progressive
+    interpolation beyond it); ``f(x) = w2·relu(w1·x + b1) + b2`` the learned MLP. ``eps`` keeps
+    ``ψ(max(L, p_i))`` away from 0, as the paper's code does. Meant for causal attention (``j <= p_i``).
+
+    Args:
+        w1, b1, w2, b2: an ``nn.Linear`` pair's weights, ``[width, 1]``, ``[width]``, ``[H, width]``, ``[H]``.
+        c, threshold: 0-d.
+        positions: ``[B|1, Q]``, the ``p_i`` (default ``i'``).
+
+    Returns:
+        ``[B|1, H, Q, K]``.
+
+    Note:
+        The MLP runs over blocks of query rows (:func:`kernels.fire_mlp`), each recomputed in backward,
+        so its ``[rows, K, width]`` hidden layer is never whole.
+
+    Reference: ``fire_torch_ref``.
     """
     for name, x, ndim, doc in (("w1", w1, 2, "[width, 1]"), ("b1", b1, 1, "[width]"), ("w2", w2, 2, "[heads, width]"),
                                ("b2", b2, 1, "[heads]"), ("c", c, 0, "[] (a scalar)"),
