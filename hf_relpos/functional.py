@@ -1,12 +1,23 @@
 """The math of every position scheme, in pure PyTorch (no Transformers import).
 
-Layout everywhere is ``[batch, heads, seq, head_dim]`` as in
-``torch.nn.functional.scaled_dot_product_attention``. A query at index ``i`` of a
-call that follows ``past_length`` earlier tokens sits at absolute position
-``past_length + i``; key ``j`` sits at absolute position ``j``.
+Each public function states its equation, the shapes of its arguments and what it returns, and names the
+slow, obviously correct reference it is tested against (in ``tests/oracles.py`` unless said otherwise). The
+fast paths some of them take on CPU live in ``kernels.py`` (see each ``Note``); they compute the same
+equation. The functions here check their arguments and choose the path.
+
+Shapes (the layout of ``torch.nn.functional.scaled_dot_product_attention``: ``[B, H, seq, D]``):
+
+- ``B`` batch, ``H`` heads, ``D`` head size (``D_v`` of the values where it differs);
+- ``Q`` query rows of the call, ``K`` keys, ``n`` the length of a self-attention call (``Q = K = n``);
+- ``M = K - Q`` Transformer-XL's memory, ``R`` the rows of its relative embeddings ``r``;
+- ``k`` Shaw's ``max_relative_position``, ``s`` the distance beyond which a saturating bias is constant;
+- ``X|1``: of size ``X`` or 1 (broadcast).
+
+Positions: a query at index ``i`` of a call that follows ``past_length`` earlier tokens sits at absolute
+position ``past_length + i``; key ``j`` sits at absolute position ``j``.
 
 ``attention_mask`` follows SDPA: a boolean tensor (True = may attend) or an additive
-float tensor, broadcastable to ``[batch, heads, q_len, k_len]``. In an additive mask,
+float tensor, broadcastable to ``[B, H, Q, K]``. In an additive mask,
 ``-inf`` and the dtype's most negative finite value (Transformers' convention) both
 mean "masked". A query row with no key left gives zeros, never NaN.
 
@@ -21,8 +32,20 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
-from torch.autograd.function import once_differentiable
+
+from .attention_utils import _additive_mask, _causal_pattern, _rel_shift
+from .kernels import (
+    causal_key_bias,
+    causal_key_bias_applies,
+    fire_mlp,
+    fused_bias_applies,
+    fused_bias_attention,
+    saturating_bias_banded,
+    saturating_bias_banded_applies,
+    shaw_banded,
+    shaw_banded_applies,
+    txl_chunked,
+)
 
 __all__ = [
     "attention_with_bias",
@@ -62,15 +85,10 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
 
 def _check_offset(name: str, value):
     """A position offset: an int >= 0, or, while ``torch.compile`` traces, a cache's 0-d integer tensor, kept
-    a tensor (reading it on the host would break the graph); :func:`_is_zero` tells the two apart."""
+    a tensor (reading it on the host would break the graph); ``attention_utils._is_zero`` tells the two apart."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() and torch.compiler.is_compiling():
         return value
     return _check_int(name, value)
-
-
-def _is_zero(offset) -> bool:
-    """True for the int 0; a traced tensor offset is never known to be 0, so the paths for any offset run."""
-    return isinstance(offset, int) and offset == 0
 
 
 def _check_tensor(name: str, x, ndim: int, shape_doc: str) -> torch.Tensor:
@@ -129,25 +147,6 @@ def _check_mask(attention_mask, shape: Sequence[int]) -> None:
 # ----------------------------------------------------------------------------------
 
 
-def _additive_mask(attention_mask: Optional[torch.Tensor], causal: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Fold a bool/additive mask and a bool causal pattern into one float32 mask with -inf."""
-    out = None
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            out = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
-            out = out.masked_fill(~attention_mask, float("-inf"))
-        else:
-            # Transformers' masks use finfo.min, not -inf: treat both as "masked".
-            masked = attention_mask <= torch.finfo(attention_mask.dtype).min
-            out = attention_mask.to(torch.promote_types(attention_mask.dtype, torch.float32))
-            out = out.masked_fill(masked, float("-inf"))
-    if causal is not None:
-        causal_add = torch.zeros(causal.shape, dtype=torch.float32, device=causal.device)
-        causal_add = causal_add.masked_fill(~causal, float("-inf"))
-        out = causal_add if out is None else out + causal_add
-    return out
-
-
 def _masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Softmax over the last dim in at least float32; a row with every key masked gives zeros (and zero grads)."""
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
@@ -165,13 +164,6 @@ def _masked_softmax(scores: torch.Tensor, mask: Optional[torch.Tensor]) -> torch
     return e / torch.where(total > 0, total, torch.ones_like(total))
 
 
-def _causal_pattern(query_length: int, key_length: int, offset: int, device) -> torch.Tensor:
-    """[Q, K] bool, True where key j <= offset + i (the query's own absolute position)."""
-    i = torch.arange(query_length, device=device)[:, None]
-    j = torch.arange(key_length, device=device)[None, :]
-    return j <= i + offset
-
-
 def _relative_distance(query_length: int, key_length: int, past_length: int, device) -> torch.Tensor:
     """[Q, K] long: j - (past_length + i), key position minus query position."""
     i = torch.arange(query_length, device=device)[:, None] + past_length
@@ -184,76 +176,6 @@ def _relative_distance(query_length: int, key_length: int, past_length: int, dev
 # ----------------------------------------------------------------------------------
 
 
-# SDPA's fused CPU kernel and its backward, called directly for their log-sum-exp output and input.
-# Unlike the public SDPA entry point they assume a unit stride along head_dim: see _unit_stride.
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def _unit_stride(*tensors: torch.Tensor):
-    """The tensors with a unit stride along the last dim (copied only where needed), as the raw kernel reads them."""
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
-
-
-class _AttentionWithBias(torch.autograd.Function):
-    """``softmax(q k^T · scale + bias) v`` whose backward also returns the bias gradient.
-
-    PyTorch's CPU SDPA leaves its fused kernel for the math path (which keeps the whole
-    ``[B, H, Q, K]`` probability tensor for backward) as soon as the mask needs a gradient. Here the
-    forward runs the fused kernel with the bias as a constant and keeps only its output; the
-    backward recomputes the probabilities ``P = exp(S - lse)`` from the kernel's log-sum-exp, a chunk
-    of query rows at a time, and applies the softmax gradient ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))``
-    (as FlashAttention does).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, scale, chunk_size):
-        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias.detach(), scale=scale)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        scale, chunk = ctx.scale, ctx.chunk_size
-        work = torch.promote_types(q.dtype, torch.float32)
-        qs, kf, vf, gf = (q.to(work) * scale), k.to(work), v.to(work), grad_out.to(work)
-        delta = (gf * out.to(work)).sum(-1, keepdim=True)
-        lse = lse.to(work).unsqueeze(-1)
-        # exp(S - lse) is exact only while lse keeps the precision of log K: a row whose every key
-        # sits at a huge negative value (finfo.min masks, -1e9 biases) rounds it away. Such rows, and a
-        # backward that must itself be differentiable (create_graph), take a full softmax instead.
-        exact = bool((lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10)) and not torch.is_grad_enabled()
-        dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
-        dbias = torch.empty(bias.shape, dtype=work, device=bias.device) if ctx.needs_input_grad[3] else None
-        for start in range(0, q.shape[2], chunk):
-            rows = slice(start, start + chunk)
-            # P = exp(s - lse) with the forward kernel's log-sum-exp: whole rows need no max or sum pass.
-            # A row with every key at -inf has scores -inf (and lse 0 from the kernel): P = 0, as its output.
-            scores = (qs[:, :, rows] @ kf.transpose(-1, -2)).add_(bias[:, :, rows].to(work))
-            if exact:
-                probs = scores.sub_(lse[:, :, rows]).exp_()
-            else:
-                probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: create_graph may need it
-            del scores
-            g = gf[:, :, rows]
-            dv += probs.transpose(-1, -2) @ g
-            dscores = g @ vf.transpose(-1, -2)
-            dscores.sub_(delta[:, :, rows]).mul_(probs)  # the softmax gradient dS = P ⊙ (dP - rowsum(dO ⊙ O))
-            del probs
-            dq[:, :, rows] = dscores @ kf
-            dk += dscores.transpose(-1, -2) @ qs[:, :, rows]
-            if dbias is not None:
-                for dim in (0, 1):  # a bias broadcast over batch or heads gets the summed gradient
-                    if bias.shape[dim] == 1 and dscores.shape[dim] != 1:
-                        dscores = dscores.sum(dim, keepdim=True)
-                dbias[:, :, rows] = dscores
-        dq *= scale
-        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
-        return cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None
-
-
 def attention_with_bias(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -263,12 +185,24 @@ def attention_with_bias(
     scale: Optional[float] = None,
     chunk_size: int = 256,
 ) -> torch.Tensor:
-    """``softmax(q k^T · scale + bias) v`` -> ``[B, H, Q, D]`` for a bias that is trained (e.g. T5's).
+    """``z = softmax(q k^T · scale + bias) v`` for a bias that is trained (e.g. T5's).
 
-    ``bias`` is an additive float tensor ``[B|1, H|1, Q, K]``. On CPU the forward runs SDPA's fused
-    kernel and the backward recomputes the probabilities in chunks of ``chunk_size`` query rows, so
-    no ``[B, H, Q, K]`` probability tensor is kept between forward and backward (extra backward memory
-    O(B·H·chunk_size·K) besides the bias gradient). Elsewhere it is plain SDPA.
+    Args:
+        q: ``[B, H, Q, D]``; k: ``[B, H, K, D]``; v: ``[B, H, K, D_v]``.
+        bias: additive float ``[B|1, H|1, Q, K]``; gets its gradient.
+        scale: default ``1 / sqrt(D)``.
+        chunk_size: query rows per chunk of the CPU backward.
+
+    Returns:
+        ``[B, H, Q, D_v]``.
+
+    Note:
+        On CPU with a gradient wanted, :func:`kernels.fused_bias_attention`: SDPA's fused kernel forward, a
+        backward that recomputes the probabilities ``chunk_size`` rows at a time, so no ``[B, H, Q, K]``
+        probability tensor is kept (extra backward memory ``O(B·H·chunk_size·K)`` besides the bias
+        gradient). Elsewhere plain SDPA.
+
+    Reference: the float64 softmax in ``tests/test_attention_with_bias.py``.
     """
     _check_qkv(q, k, v)
     B, H, Q, D = q.shape
@@ -280,10 +214,9 @@ def attention_with_bias(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if 0 in (B, H, Q, K):  # nothing to attend (and the fused CPU kernel crashes on empty inputs)
         return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * (q.sum() + k.sum() + v.sum() + bias.sum())
-    if q.device.type != "cpu" or not torch.is_grad_enabled():
+    if not fused_bias_applies(q):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
-    q, k, v = _unit_stride(q, k, v)
-    return _AttentionWithBias.apply(q, k, v, bias.to(q.dtype).contiguous(), scale, chunk_size)
+    return fused_bias_attention(q, k, v, bias, scale, chunk_size=chunk_size)
 
 
 # ----------------------------------------------------------------------------------
@@ -318,6 +251,15 @@ def t5_relative_position_bucket(
     log-spaced up to ``max_distance``; farther distances share the last bucket. Bit-identical to
     Transformers' ``T5Attention._relative_position_bucket`` (the same float32 operations in the
     same order), but raises where upstream would return out-of-range buckets.
+
+    Args:
+        relative_position: an integer tensor of any shape.
+        bidirectional, num_buckets, max_distance: T5's configuration.
+
+    Returns:
+        a long tensor of ``relative_position``'s shape, in ``[0, num_buckets)``.
+
+    Reference: upstream ``T5Attention._relative_position_bucket`` (``tests/test_functional.py``).
     """
     if not isinstance(relative_position, torch.Tensor):
         raise TypeError(f"relative_position must be an integer torch.Tensor, got {type(relative_position).__name__}")
@@ -357,11 +299,20 @@ def t5_position_bias(
     max_distance: int = 128,
     past_length: int = 0,
 ) -> torch.Tensor:
-    """T5's additive bias ``B[h, i, j] = weight[bucket(j - (past_length + i)), h]`` -> ``[1, H, Q, K]``.
+    """T5's additive bias ``B[h, i, j] = weight[bucket(j - (past_length + i)), h]``.
 
-    ``weight`` is the ``[num_buckets, H]`` table (T5's ``nn.Embedding.weight``). Equals upstream
-    ``T5Attention.compute_bias(Q, K, past_seen_tokens=past_length)``. Only the ``Q`` query rows
-    asked for are computed, so a decoding step costs one row per new token.
+    Equals upstream ``T5Attention.compute_bias(Q, K, past_seen_tokens=past_length)``. Only the ``Q`` query
+    rows asked for are computed, so a decoding step costs one row per new token.
+
+    Args:
+        weight: ``[num_buckets, H]``, the table (T5's ``nn.Embedding.weight``).
+        query_length, key_length: ``Q``, ``K``.
+        bidirectional, max_distance: T5's configuration; past_length: the queries' offset.
+
+    Returns:
+        ``[1, H, Q, K]`` in ``weight``'s dtype.
+
+    Reference: upstream ``T5Attention.compute_bias`` (``tests/test_functional.py``).
     """
     _check_tensor("weight", weight, 2, "[num_buckets, heads]")
     query_length = _check_int("query_length", query_length)
@@ -392,6 +343,11 @@ def t5_saturation_distance(bidirectional: bool = True, num_buckets: int = 32, ma
 
     Buckets grow with ``|d|`` and the last one is reached by ``max_distance`` at the latest, so
     T5's bias is constant per head and side beyond ``s - 1``.
+
+    Returns:
+        ``s``, an int >= 1.
+
+    Reference: upstream buckets (``tests/test_bias_band.py``).
     """
     _check_t5_buckets(bidirectional, num_buckets, max_distance)
     distances = torch.arange(max_distance + 1)
@@ -400,9 +356,17 @@ def t5_saturation_distance(bidirectional: bool = True, num_buckets: int = 32, ma
 
 
 def t5_bias_by_distance(weight: torch.Tensor, *, bidirectional: bool = True, max_distance: int = 128) -> torch.Tensor:
-    """T5's bias per clipped distance -> ``[H, 2s+1]``: column ``s + d`` holds the bias of ``d = j - i``
-    for ``d = -s .. s``, where ``s`` = :func:`t5_saturation_distance`; columns ``0`` and ``2s`` hold the
-    bias of every farther distance on their side. The input :func:`saturating_bias_attention` takes."""
+    """T5's bias per clipped distance: column ``s + d`` holds the bias of ``d = j - i`` for ``d = -s .. s``.
+
+    ``s`` = :func:`t5_saturation_distance`; columns ``0`` and ``2s`` hold the bias of every farther
+    distance on their side. The input :func:`saturating_bias_attention` takes.
+
+    Args:
+        weight: ``[num_buckets, H]``; bidirectional, max_distance: T5's configuration.
+
+    Returns:
+        ``[H, 2s+1]``.
+    """
     _check_tensor("weight", weight, 2, "[num_buckets, heads]")
     s = t5_saturation_distance(bidirectional, weight.shape[0], max_distance)
     distances = torch.arange(-s, s + 1, device=weight.device)
@@ -415,287 +379,6 @@ def t5_bias_by_distance(weight: torch.Tensor, *, bidirectional: bool = True, max
 # ----------------------------------------------------------------------------------
 
 
-def _diagonals(full: torch.Tensor, width: int) -> torch.Tensor:
-    """``[.., c, c+width-1] -> [.., c, width]`` with ``out[.., i, t] = full[.., i, i+t]`` (a block's band).
-
-    Padding every flattened block by ``c`` and reading it back with rows one longer shifts row ``i``
-    left by ``i``: the pad-and-reshape skew of Transformer-XL's relative shift.
-    """
-    c = full.shape[-2]
-    flat = F.pad(full.flatten(-2), (0, c))
-    return flat.view(*full.shape[:-2], c, c + width)[..., :width]
-
-
-def _undiagonals(band: torch.Tensor) -> torch.Tensor:
-    """The inverse placement of :func:`_diagonals`: ``out[.., i, i+t] = band[.., i, t]``, zeros elsewhere."""
-    c, width = band.shape[-2:]
-    flat = F.pad(band, (0, c)).flatten(-2)[..., : c * (c + width - 1)]
-    return flat.view(*band.shape[:-2], c, c + width - 1)
-
-
-_BAND_BLOCK = 64  # query rows per block of the band
-_BAND_ROWS = 512  # query rows per pass over the band (a multiple of the block): bounds its temporaries
-
-
-class _Band:
-    """Scores and values inside the band ``|j - i| <= reach`` for the query rows ``rows`` (self-attention,
-    ``past_length = 0``).
-
-    Query rows go in blocks of ``block``; each block meets the ``block + 2·reach`` keys its rows can
-    reach in one matmul, and :func:`_diagonals` keeps each row's ``2·reach + 1`` band entries, so the
-    band costs ``O(n·(block + 2·reach)·D)`` with no ``[.., q, k, D]`` tensor. Band slot ``t`` holds key
-    ``j = i - reach + t`` (distance ``t - reach``), which is slot ``t + 1`` of the per-distance tables.
-    ``keys`` (bool ``[B|1, H|1, n]``, True = may attend) masks keys, as padding does.
-    """
-
-    def __init__(self, n: int, reach: int, causal: bool, block: int, device, keys: Optional[torch.Tensor] = None,
-                 rows: Optional[tuple] = None):
-        self.n, self.reach, self.block = n, reach, block
-        self.start, self.stop = rows if rows is not None else (0, n)
-        self.width = 2 * reach + 1
-        t = torch.arange(self.width, device=device)
-        j = torch.arange(self.start, self.stop, device=device)[:, None] - reach + t
-        valid = (j >= 0) & (j < n)
-        if causal:
-            valid &= t <= reach
-        if keys is not None:  # each row's band slots read the key mask through the same sliding window
-            window = F.pad(keys, (reach, reach), value=False).unfold(-1, self.width, 1)
-            valid = valid & window[..., self.start : self.stop, :]
-        self.invalid = ~valid  # [rows, width] or [B|1, H|1, rows, width]
-
-    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, H, n, ..] -> [B, H, rows/block, block, ..]``, the band's rows (zero rows past them)."""
-        x = x[:, :, self.start : self.stop]
-        x = F.pad(x, (0, 0, 0, -x.shape[2] % self.block))
-        return x.view(*x.shape[:2], -1, self.block, x.shape[-1])
-
-    def _key_windows(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, H, n, D] -> [B, H, rows/block, D, block + 2·reach]``: the keys ``b·block - reach ..`` each
-        block of the band's rows can reach (zero rows outside the sequence), a view of one padded copy."""
-        first = self.start - self.reach  # the key row the first block's window starts at
-        last = self.start + -(-(self.stop - self.start) // self.block) * self.block + self.reach  # one past the end
-        x = x[:, :, max(first, 0) : min(last, self.n)]
-        padded = F.pad(x, (0, 0, max(0, -first), max(0, last - self.n)))
-        return padded.unfold(2, self.block + 2 * self.reach, self.block)
-
-    def scores(self, q, k, rel_k, bias, scale):
-        """``[B, H, rows, 2·reach+1]``: ``(q_i·k_j + q_i·rel_k[d]) · scale + bias[h, d]``, ``-inf`` outside the sequence."""
-        rows = self.stop - self.start
-        full = self._blocks(q) @ self._key_windows(k)
-        band = _diagonals(full, self.width).flatten(2, 3)[:, :, :rows]
-        if rel_k is not None:
-            band = band + q[:, :, self.start : self.stop] @ rel_k[1:-1].transpose(0, 1)
-        band = band * scale
-        if bias is not None:
-            band = band + bias[:, None, 1:-1]
-        return band.masked_fill(self.invalid, float("-inf"))
-
-    def values(self, probs, v, rel_v):
-        """``Σ_t probs[.., i, t] · (v_j + rel_v[d])`` for the band's rows (``probs`` holds only them) -> ``[B, H, rows, D]``."""
-        rows = self.stop - self.start
-        padded = F.pad(probs, (0, 0, 0, -rows % self.block))
-        full = _undiagonals(padded.view(*padded.shape[:2], -1, self.block, padded.shape[-1]))
-        out = (full @ self._key_windows(v).transpose(-1, -2)).flatten(2, 3)[:, :, :rows]
-        if rel_v is not None:
-            out = out + probs @ rel_v[1:-1]
-        return out
-
-
-def _row_chunks(n: int):
-    return [(start, min(start + _BAND_ROWS, n)) for start in range(0, n, _BAND_ROWS)]
-
-
-class _BandedAttention(torch.autograd.Function):
-    """Attention whose position terms stop changing beyond a distance, as three parts merged by log-sum-exp.
-
-    The terms are per clipped distance ``d = clamp(j - i, -(reach+1), reach+1)``: a key vector
-    ``rel_k[d]`` (Shaw), a value vector ``rel_v[d]`` (Shaw) and a per-head logit ``bias[h, d]`` (T5's
-    bucketed bias, which saturates at its last bucket). For ``j <= i - (reach+1)`` they are constant:
-    ``q_i·k_j + q_i·rel_k[0] = q_i·(k_j + rel_k[0])``, values ``v_j + rel_v[0]``, and a constant logit
-    ``bias[h, 0]``, which leaves that part's softmax unchanged and adds to its log-sum-exp. So the
-    far-left (and, unless causal, far-right) key range is plain causal attention over shifted keys
-    and values, run by SDPA's fused CPU kernel (the right on the reversed sequence); only the band
-    ``|j - i| <= reach`` is explicit (:class:`_Band`). The parts' outputs merge with weights
-    ``exp(lse_part - lse)``. The backward runs the fused kernel's backward for each far part with the
-    merged output and log-sum-exp (less the part's constant logit), which makes that part's gradient
-    exact; the constant logit's gradient is ``Σ_i mass_i (dO_i·O_part_i - dO_i·O_i)``, the sum of the
-    softmax gradient ``dS = P ⊙ (dP - rowsum(dO ⊙ O))`` over the part, from the part's own output
-    and probability mass. The band is differentiated by recomputing it.
-
-    ``keys`` (bool ``[B|1, H|1, n]`` or None) masks keys (padding): in the band through the band's
-    mask, in the far parts as a ``[B|1, H|1, 1, n]`` mask the fused kernel broadcasts over rows. A
-    row with no key left in a part has that part's log-sum-exp at ``-inf`` (the kernel reports 0);
-    a row with no key at all gives zeros.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block):
-        with torch.autocast(q.device.type, enabled=False):  # the band in float32 whatever autocast asks
-            return _BandedAttention._forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block)
-
-    @staticmethod
-    def _forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block):
-        work = torch.promote_types(q.dtype, torch.float32)
-        cast = lambda t: None if t is None else t.to(work)  # noqa: E731
-        n = q.shape[2]
-        qw, kw, vw, rel_kw, rel_vw, biasw = q.to(work), k.to(work), v.to(work), cast(rel_k), cast(rel_v), cast(bias)
-        out, lse = q.new_empty(*q.shape[:3], v.shape[-1], dtype=work), q.new_empty(q.shape[:3], dtype=work)
-        for start, stop in _row_chunks(n):
-            band = _Band(n, reach, causal, block, q.device, keys, (start, stop))
-            s = band.scores(qw, kw, rel_kw, biasw, scale)
-            rows_lse = torch.logsumexp(s, dim=-1)  # -inf only for a row whose band keys are all masked
-            out[:, :, start:stop] = band.values(torch.exp(s - _finite(rows_lse)[..., None]), vw, rel_vw)
-            lse[:, :, start:stop] = rows_lse
-            del s
-        parts = []
-        for side in _BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal):
-            part_out, part_lse = _flash_cpu(*side["qkv"], 0.0, True, attn_mask=side["mask"], scale=scale)
-            rows = side["rows"]
-            part_out, part_lse = side["unflip"](part_out).to(work), side["unflip"](part_lse) + side["logit"]
-            if side["alive"] is not None:
-                part_lse = part_lse.masked_fill(~side["alive"], float("-inf"))
-            merged = torch.logaddexp(lse[:, :, rows], part_lse)
-            weight = _finite(merged)
-            out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - weight)[..., None] + part_out * torch.exp(
-                part_lse - weight
-            )[..., None]
-            lse[:, :, rows] = merged
-            if bias is not None and ctx.needs_input_grad[5]:
-                parts += [part_out, part_lse]
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, rel_k, rel_v, bias, keys, out, _finite(lse), *parts)
-        ctx.reach, ctx.causal, ctx.scale, ctx.block = reach, causal, scale, block
-        return out
-
-    @staticmethod
-    def _sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal):
-        """The far-left part (and far-right unless causal) as causal-kernel inputs: rows ``i > reach`` of
-        the (reversed, for the right) sequence attend keys ``j < i - reach``, i.e. the top-left causal
-        pattern of the query rows shifted by ``reach + 1``; ``logit`` is the part's ``[H, 1]`` constant,
-        ``mask`` its additive key mask and ``alive`` its rows that have a key left (None: all)."""
-        n, first = q.shape[2], reach + 1
-        shift = lambda x, table, idx: x if table is None else x + table[idx].to(x.dtype)  # noqa: E731
-        logit = lambda idx: 0.0 if bias is None else bias[:, idx, None].to(torch.promote_types(q.dtype, torch.float32))  # noqa: E731
-        same = lambda t: t  # noqa: E731
-        flip = lambda t: t.flip(2)  # noqa: E731
-        mask = left_alive = right_alive = None
-        if keys is not None:
-            mask = torch.zeros(keys.shape, dtype=q.dtype, device=q.device).masked_fill_(~keys, float("-inf"))
-            mask = mask.unsqueeze(-2)
-            seen = keys.cumsum(-1)  # keys allowed in [0, j]; row i of the left part sees [0, i - first]
-            left_alive = seen[..., : n - first] > 0
-            right_alive = (seen[..., -1:] - seen + keys)[..., first:] > 0  # allowed in [i + first, n)
-        sides = [
-            dict(qkv=(q[:, :, first:], shift(k, rel_k, 0), shift(v, rel_v, 0)), rows=slice(first, n), unflip=same,
-                 index=0, logit=logit(0), mask=mask, alive=left_alive)
-        ]
-        if not causal:
-            sides.append(
-                dict(qkv=(flip(q)[:, :, first:], flip(shift(k, rel_k, -1)), flip(shift(v, rel_v, -1))),
-                     rows=slice(0, n - first), unflip=flip, index=-1, logit=logit(-1),
-                     mask=None if mask is None else mask.flip(-1), alive=right_alive)
-            )
-        return sides
-
-    @staticmethod
-    @once_differentiable  # the fused kernel's backward has no derivative of its own
-    def backward(ctx, grad_out):
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _BandedAttention._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
-        q, k, v, rel_k, rel_v, bias, keys, out, lse, *parts = ctx.saved_tensors
-        reach, causal, scale = ctx.reach, ctx.causal, ctx.scale
-        work = torch.promote_types(q.dtype, torch.float32)
-        grad_out = grad_out.contiguous()
-        g = grad_out.to(work)
-        delta = (g * out.to(work)).sum(-1)
-        # The band, differentiated by recomputing it against the merged log-sum-exp: with
-        # P = exp(s - lse) and delta_i = dO_i·O_i, the surrogate Σ dO·(P V') - Σ_i delta_i Σ_t P_it
-        # has d/ds = P ⊙ (dO·v' - delta), the softmax gradient.
-        n = q.shape[2]
-        leaves = [None if t is None else t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k, rel_v, bias)]
-        wanted = [t for t in leaves if t is not None]
-        sums = None
-        for start, stop in _row_chunks(n):  # a pass at a time keeps the recomputed band's graph small
-            rows = slice(start, stop)
-            with torch.enable_grad():
-                band = _Band(n, reach, causal, ctx.block, q.device, keys, (start, stop))
-                probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], leaves[5], scale) - lse[:, :, rows, None])
-                surrogate = (band.values(probs, leaves[2], leaves[4]) * g[:, :, rows]).sum()
-                surrogate = surrogate - (probs.sum(-1) * delta[:, :, rows]).sum()
-                grads = torch.autograd.grad(surrogate, wanted, allow_unused=True)
-            grads = [torch.zeros_like(t) if d is None else d for d, t in zip(grads, wanted)]
-            sums = grads if sums is None else [a.add_(b) for a, b in zip(sums, grads)]
-        found = iter(sums)
-        dq, dk, dv, drel_k, drel_v, dbias = (None if t is None else next(found) for t in leaves)
-        for number, side in enumerate(_BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal)):
-            rows, flip, first = side["rows"], side["unflip"], reach + 1
-            sq, sk, sv = side["qkv"]
-            kernel_lse = (lse[:, :, rows] - side["logit"]) if bias is not None else lse[:, :, rows]
-            gq, gk, gv = _flash_cpu_backward(
-                flip(grad_out)[:, :, first:], sq, sk, sv, flip(out)[:, :, first:].contiguous(),
-                flip(kernel_lse).to(lse.dtype).contiguous(), 0.0, True, attn_mask=side["mask"], scale=scale,
-            )
-            gq, gk, gv = flip(gq), flip(gk), flip(gv)
-            dq[:, :, rows] += gq
-            dk += gk
-            dv += gv
-            index = side["index"]
-            if drel_k is not None:
-                drel_k[index] += gk.sum((0, 1, 2))
-            if drel_v is not None:
-                drel_v[index] += gv.sum((0, 1, 2))
-            if dbias is not None and parts:
-                part_out, part_lse = parts[2 * number], parts[2 * number + 1]
-                mass = torch.exp(part_lse - lse[:, :, rows])
-                dbias[:, index] += (mass * ((g[:, :, rows] * part_out).sum(-1) - delta[:, :, rows])).sum((0, 2))
-        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
-        grads = [cast(d, t) for d, t in zip((dq, dk, dv, drel_k, drel_v, dbias), (q, k, v, rel_k, rel_v, bias))]
-        return (*grads, None, None, None, None, None)
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """A log-sum-exp with the ``-inf`` of rows that have no key replaced by 0, so ``exp(s - lse)`` gives 0, not NaN."""
-    return lse.masked_fill(torch.isneginf(lse), 0.0)
-
-
-def _key_mask(attention_mask: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
-    """A bool mask of keys alone (``[B|1, H|1, 1, n]``, as padding makes) as ``[B|1, H|1, n]``; None otherwise."""
-    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
-        return None
-    if attention_mask.shape[-2] != 1 or attention_mask.shape[-1] != n:
-        return None
-    return attention_mask[..., 0, :]
-
-
-def _banded_applies(q, k, v, reach, attention_mask, past_length, dropout_p, min_length) -> bool:
-    """The band decomposition runs for CPU self-attention without cache or dropout, and without a mask
-    or with one that masks keys alone (padding), when long enough to pay."""
-    n = q.shape[2]
-    return (
-        q.device.type == "cpu"
-        and (attention_mask is None or _key_mask(attention_mask, n) is not None)
-        and _is_zero(past_length)
-        and dropout_p == 0.0
-        and k.shape[2] == n
-        and v.shape[-1] == q.shape[-1]  # the fused kernel needs one head size
-        and q.numel() > 0
-        and n >= max(min_length, reach + 2)  # each far part has a row
-    )
-
-
-def _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p) -> bool:
-    return max_relative_position >= 1 and _banded_applies(
-        q, k, v, max_relative_position - 1, attention_mask, past_length, dropout_p, _SHAW_BAND_MIN_LENGTH
-    )
-
-
-# Below this the gathered [B, H, n, n] form is faster on CPU (scripts/bench_band.py --scheme shaw measures the crossover).
-_SHAW_BAND_MIN_LENGTH = 512
-
-
 def saturating_bias_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -706,14 +389,27 @@ def saturating_bias_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Self-attention with a per-head bias of the relative distance that is constant beyond ``s`` -> ``[B, H, n, D]``.
+    """Self-attention with a per-head bias of the distance that is constant beyond ``s``.
 
-    ``bias`` is ``[H, 2s+1]``: ``B[h, i, j] = bias[h, clamp(j - i, -s, s) + s]`` (T5's bucketed bias
-    is such a bias: :func:`t5_bias_by_distance`). ``softmax(q k^T · scale + B + mask) v``; ``is_causal``
-    masks keys ``j > i``. On CPU, once ``n`` is long enough and the mask masks keys alone (bool
-    ``[B|1, H|1, 1, n]``, as padding does) or is None, the band ``|j - i| < s`` is explicit and the
-    ranges beyond it run in the fused kernel (:class:`_BandedAttention`): no ``[B|1, H, n, n]`` tensor,
-    and a causal model skips the masked half. Otherwise the bias is spread over ``[B|1, H, n, n]``.
+    ``B[h, i, j] = bias[h, clamp(j - i, -s, s) + s]``, ``z = softmax(q k^T · scale + B + mask) v``;
+    ``is_causal`` masks keys ``j > i``. T5's bucketed bias is such a bias (:func:`t5_bias_by_distance`).
+
+    Args:
+        q, k: ``[B, H, n, D]``; v: ``[B, H, n, D_v]``.
+        bias: ``[H, 2s+1]``, ``s >= 1``.
+        attention_mask: see the module docstring; scale: default ``1 / sqrt(D)``.
+
+    Returns:
+        ``[B, H, n, D_v]``.
+
+    Note:
+        On CPU, from ``kernels.BIAS_BAND_MIN_LENGTH`` tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal) and
+        with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes),
+        :func:`kernels.saturating_bias_banded`: the band ``|j - i| < s`` explicit, the ranges beyond it in
+        the fused kernel; no ``[B|1, H, n, n]`` tensor, and a causal model skips the masked half.
+        Otherwise the bias is spread over ``[B|1, H, n, n]`` (:func:`attention_with_bias`).
+
+    Reference: ``t5_attention_oracle`` in ``tests/test_bias_band.py`` (upstream's buckets, float64).
     """
     _check_qkv(q, k, v)
     B, H, n, D = q.shape
@@ -724,12 +420,9 @@ def saturating_bias_attention(
         raise ValueError(f"bias must have shape [heads={H}, 2s+1] with s >= 1, got {tuple(bias.shape)}")
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
+        return saturating_bias_banded(q, k, v, bias, attention_mask=attention_mask, is_causal=is_causal, scale=scale)
     reach = bias.shape[1] // 2 - 1
-    min_length = _CAUSAL_BIAS_BAND_MIN_LENGTH if is_causal else _BIAS_BAND_MIN_LENGTH
-    if _banded_applies(q, k, v, reach, attention_mask, 0, 0.0, min_length):
-        q, k, v = _unit_stride(q, k, v)
-        keys = _key_mask(attention_mask, n)
-        return _BandedAttention.apply(q, k, v, None, None, bias, keys, reach, is_causal, scale, _BAND_BLOCK)
     index = _relative_distance(n, n, 0, bias.device).clamp(-reach - 1, reach + 1) + reach + 1
     full = bias[:, index].unsqueeze(0)
     mask = _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device) if is_causal else None)
@@ -739,12 +432,6 @@ def saturating_bias_attention(
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     full = full.to(torch.promote_types(full.dtype, torch.float32)) + mask  # [B|1, H, n, n]
     return attention_with_bias(q, k, v, full, scale=scale)
-
-
-# Below these the bias spread over [1, H, n, n] in the fused kernel is as fast on CPU (T5's 32 buckets up to 128:
-# band |d| < 91), bidirectional and causal: scripts/bench_band.py --scheme t5_bias [--causal] measures the crossover.
-_BIAS_BAND_MIN_LENGTH = 1536
-_CAUSAL_BIAS_BAND_MIN_LENGTH = 1024
 
 
 def shaw_attention(
@@ -765,16 +452,26 @@ def shaw_attention(
 
     With ``r_ij = clamp(j - (past_length + i), -k, k) + k``:
     ``e_ij = (q_i·k_j + q_i·rel_k[r_ij]) / sqrt(D)``, ``a = softmax_j(e + mask)``,
-    ``z_i = Σ_j a_ij (v_j + rel_v[r_ij])``.
+    ``z_i = Σ_j a_ij (v_j + rel_v[r_ij])``. ``is_causal`` masks keys ``j > past_length + i``.
 
-    Never forms a ``[.., q, k, D]`` tensor. On CPU, self-attention without mask, cache or dropout
-    splits into far-left and far-right parts run by the fused kernel and a band ``|j - i| < k``
-    (:class:`_BandedAttention`), so no ``[B, H, Q, K]`` tensor is formed either. Otherwise the key term is
-    ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``) gathered by ``r_ij``, and the value term sums ``a`` per
-    clipped distance (``[B, H, Q, 2k+1]``) and multiplies by ``rel_v``.
+    Args:
+        q: ``[B, H, Q, D]``; k: ``[B, H, K, D]``; v: ``[B, H, K, D_v]``.
+        rel_k: ``[2k+1, D]``; rel_v: ``[2k+1, D_v]`` or None (keys only); shared by all heads.
+        max_relative_position: ``k``; past_length: the queries' offset; dropout_p: on ``a``.
+        need_weights: also return ``a``.
 
-    With ``need_weights=True`` returns ``(z, a)``: the probabilities ``a`` ``[B, H, Q, K]`` (after
-    dropout, zeros for a query with no key left) come from the gathered form, which materialises them.
+    Returns:
+        ``z`` ``[B, H, Q, D_v]``; with ``need_weights``, ``(z, a)`` with ``a`` ``[B, H, Q, K]`` (after
+        dropout, zeros for a query with no key left).
+
+    Note:
+        Never forms a ``[.., Q, K, D]`` tensor: the key term is ``q @ rel_k.T`` (``[B, H, Q, 2k+1]``)
+        gathered by ``r_ij``, the value term sums ``a`` per clipped distance and multiplies by ``rel_v``.
+        On CPU self-attention without cache, dropout or weights, with no mask or a key mask, from
+        ``kernels.SHAW_BAND_MIN_LENGTH`` tokens: :func:`kernels.shaw_banded` (far-left and far-right
+        parts in the fused kernel, a band ``|j - i| < k``), no ``[B, H, Q, K]`` tensor either.
+
+    Reference: ``shaw_ref`` (float64 loops), ``shaw_torch_ref`` (for gradients).
     """
     _check_qkv(q, k, v)
     max_relative_position = _check_int("max_relative_position", max_relative_position)
@@ -798,12 +495,9 @@ def shaw_attention(
     K = k.shape[2]
     _check_mask(attention_mask, (B, H, Q, K))
 
-    if not need_weights and _shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p):
-        q, k, v = _unit_stride(q, k, v)
-        keys = _key_mask(attention_mask, K)
-        return _BandedAttention.apply(
-            q, k, v, rel_k, rel_v, None, keys, max_relative_position - 1, is_causal, 1.0 / math.sqrt(D), _BAND_BLOCK
-        )
+    if not need_weights and shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p):
+        return shaw_banded(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
+                           attention_mask=attention_mask, is_causal=is_causal)
 
     rel_index = _relative_distance(Q, K, past_length, q.device)
     rel_index = rel_index.clamp(-max_relative_position, max_relative_position) + max_relative_position
@@ -832,141 +526,6 @@ def shaw_attention(
 # ----------------------------------------------------------------------------------
 
 
-def _rel_shift(x: torch.Tensor, key_length: int) -> torch.Tensor:
-    """Transformer-XL's relative shift: ``out[.., i, j] = x[.., i, j + Q - 1 - i]`` -> ``[.., Q, K]``.
-
-    ``x[.., i, t]`` holds distance ``d = K-1-t``; the query at ``M+i`` needs ``d = M+i-j``, i.e.
-    ``t = j + Q-1-i``. The original code pads a zero column and reshapes; reading the same flat
-    buffer through a strided view (row stride ``R-1``, offset ``Q-1``) is the identical indexing
-    without the copy. Entries for ``t >= R`` are read from the next row and must be masked
-    (causal use with ``R = K``).
-    """
-    Q, R = x.shape[-2], x.shape[-1]
-    if torch.compiler.is_compiling():  # Dynamo cannot trace storage offsets: the same entries by index
-        t = torch.arange(key_length, device=x.device)[None, :] + (Q - 1 - torch.arange(Q, device=x.device))[:, None]
-        return x.gather(-1, t.clamp_max(R - 1).expand(*x.shape[:-2], Q, key_length))
-    x = x.contiguous()
-    lead = x.shape[:-2]
-    lead_strides = x.stride()[:-2]
-    return x.as_strided((*lead, Q, key_length), (*lead_strides, R - 1, 1), x.storage_offset() + Q - 1)
-
-
-def _rel_unshift(grad: torch.Tensor, width: int) -> torch.Tensor:
-    """The adjoint of ``_rel_shift(x, K)`` for an ``x`` of ``width`` columns: ``[.., Q, K] -> [.., Q, width]``.
-
-    The original code's pad-and-reshape run backwards: ``grad`` padded to ``width`` columns, laid
-    out flat after ``Q`` zeros and read as rows of ``width + 1`` without their first column.
-    Wrapped-around entries (``t >= width``) must carry zero gradient (they are masked).
-    """
-    *lead, Q, K = grad.shape
-    flat = grad.new_empty(*lead, Q * (width + 1))
-    flat[..., :Q] = 0
-    rows = flat[..., Q:].view(*lead, Q, width)
-    rows[..., K:] = 0
-    rows[..., :K] = grad
-    return flat.view(*lead, Q, width + 1)[..., 1:]
-
-
-_TXL_CHUNK = 256  # query rows per chunk of Transformer-XL attention
-
-
-def _fused_attention(q, k, v, mask):
-    """``softmax(q k^T + mask) v`` in the fused kernel (``q`` pre-scaled; a row with every key at -inf gives zeros)."""
-    if q.device.type == "cpu":
-        return _flash_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=1.0)[0]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-
-
-class _TransformerXLAttention(torch.autograd.Function):
-    """Transformer-XL attention in chunks of query rows, with its own backward.
-
-    For the rows ``a .. a+c`` of a chunk, the position scores ``(q_i + w)·r[d]`` need only the
-    ``r`` rows the chunk's distances reach: one ``[c, K_c + c - 1]`` matmul read through the
-    relative shift (a strided view, no copy). They ride as the additive mask of the fused kernel
-    for ``q + u`` against the keys (with causality, only the ``K_c = M + a + c`` keys the chunk
-    can see). The backward recomputes each chunk's probabilities and forms
-    ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))``; ``dS`` shifted back (:func:`_rel_unshift`) gives the
-    gradients of ``q + w`` and ``r``. No ``[B, H, Q, K]`` tensor is kept or formed: memory
-    ``O(B·H·c·K)`` beyond the inputs. The scale is folded into ``q + u`` and ``q + w``.
-    """
-
-    @staticmethod
-    def _chunk(q, k, r, u, w, user_mask, causal, scale, start, stop):
-        """The chunk's scaled ``q + u`` and ``q + w``, keys kept, ``r`` window and position scores + mask."""
-        Q, K, R = q.shape[2], k.shape[2], r.shape[1]
-        c, M = stop - start, K - Q
-        keys = M + stop if causal else K
-        first = Q - stop  # the r column the chunk's last row reads at key 0, less the c-1 rows of shift
-        width = min(keys + c - 1, R - first)
-        qu = (q[:, :, start:stop] + u[:, None, :]) * scale
-        qw = (q[:, :, start:stop] + w[:, None, :]) * scale
-        r_window = r[:, first:first + width]
-        bias = _rel_shift(qw @ r_window.transpose(-1, -2), keys)
-        if user_mask is not None:
-            bias = bias + user_mask[..., start:stop, :keys]
-        if causal and c > 1:  # also hides the shift's wrapped-around entries (a lone last row has none)
-            bias = bias.masked_fill(~_causal_pattern(c, keys, M + start, q.device), float("-inf"))
-        return qu, qw, keys, first, width, bias
-
-    @staticmethod
-    def forward(ctx, q, k, v, r, u, w, user_mask, causal, scale, chunk):
-        B, H, Q, D = q.shape
-        ctx.dtypes = (r.dtype, u.dtype, w.dtype)
-        ctx.mask_shape = None if user_mask is None else (user_mask.shape, user_mask.dtype)
-        r, u, w = r.to(q.dtype), u.to(q.dtype), w.to(q.dtype)
-        if user_mask is not None:
-            user_mask = user_mask.to(q.dtype).expand(B, H, Q, k.shape[2])
-        out = q.new_empty(B, H, Q, v.shape[-1])
-        for start in range(0, Q, chunk):
-            stop = min(start + chunk, Q)
-            qu, _, keys, _, _, bias = _TransformerXLAttention._chunk(q, k, r, u, w, user_mask, causal, scale, start, stop)
-            out[:, :, start:stop] = _fused_attention(qu, k[:, :, :keys], v[:, :, :keys], bias)
-        ctx.save_for_backward(q, k, v, r, u, w, user_mask, out)
-        ctx.causal, ctx.scale, ctx.chunk = causal, scale, chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, r, u, w, user_mask, out = ctx.saved_tensors
-        dtypes = (q.dtype, k.dtype, v.dtype, *ctx.dtypes)
-        causal, scale = ctx.causal, ctx.scale
-        work = torch.promote_types(q.dtype, torch.float32)
-        q, k, v, r, u, w, out, g_all = (t.to(work) for t in (q, k, v, r, u, w, out, grad_out))
-        if user_mask is not None:
-            user_mask = user_mask.to(work)
-        delta = (g_all * out).sum(-1, keepdim=True)
-        dq, dk, dv, dr = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(r)
-        du, dw = torch.zeros_like(u), torch.zeros_like(w)
-        # A float mask that requires grad (rare) gets dS, the gradient of the scores it is added to.
-        dmask = torch.zeros(user_mask.shape, dtype=work, device=q.device) if ctx.needs_input_grad[6] else None
-        for start in range(0, q.shape[2], ctx.chunk):
-            stop = min(start + ctx.chunk, q.shape[2])
-            qu, qw, keys, first, width, bias = _TransformerXLAttention._chunk(
-                q, k, r, u, w, user_mask, causal, scale, start, stop
-            )
-            kc, vc, g = k[:, :, :keys], v[:, :, :keys], g_all[:, :, start:stop]
-            probs = torch.softmax((qu @ kc.transpose(-1, -2)).add_(bias), dim=-1)
-            if user_mask is not None:  # a row with every key masked: zeros (causality always leaves one)
-                probs.nan_to_num_(0.0)
-            dv[:, :, :keys] += probs.transpose(-1, -2) @ g
-            dscores = (g @ vc.transpose(-1, -2)).sub_(delta[:, :, start:stop]).mul_(probs)
-            del probs
-            dk[:, :, :keys] += dscores.transpose(-1, -2) @ qu
-            if dmask is not None:
-                dmask[:, :, start:stop, :keys] = dscores
-            dposition = _rel_unshift(dscores, width)
-            dr[:, first:first + width] += (dposition.transpose(-1, -2) @ qw).sum(0)
-            dqu, dqw = (dscores @ kc).mul_(scale), (dposition @ r[:, first:first + width]).mul_(scale)
-            dq[:, :, start:stop] = dqu + dqw
-            du += dqu.sum((0, 2))
-            dw += dqw.sum((0, 2))
-        grads = [t.to(dtype) for t, dtype in zip((dq, dk, dv, dr, du, dw), dtypes)]
-        if dmask is not None:
-            shape, dtype = ctx.mask_shape
-            dmask = dmask.sum_to_size(shape).to(dtype)
-        return (*grads, dmask, None, None, None)
-
-
 def transformer_xl_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -980,18 +539,30 @@ def transformer_xl_attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
 ):
-    """Transformer-XL relative attention (Dai et al. 2019, eq. in sec. 3.3).
+    """Transformer-XL relative attention (Dai et al. 2019, sec. 3.3).
 
-    ``e_ij = ((q_i + u)·k_j + (q_i + w)·r[d = (M+i) - j]) / sqrt(D)`` where the ``K`` keys are
-    ``M = K - Q`` memory positions followed by the ``Q`` current ones. ``r`` is ``[H, R, D]``
-    (projected relative embeddings ``W_{k,R} R_d``, distances descending from ``K-1``); ``u`` and
-    ``w`` (the paper's ``v``) are ``[H, D]``. Terms (b)+(d) are one matmul with ``q + w`` followed by
-    the relative shift; that score matrix is an additive bias for the fused attention of ``q + u``
-    against the keys (terms (a)+(c)), in chunks of query rows (:class:`_TransformerXLAttention`).
+    ``e_ij = ((q_i + u)·k_j + (q_i + w)·r[d = (M+i) - j]) / sqrt(D)``: the ``K`` keys are ``M = K - Q``
+    memory positions followed by the ``Q`` current ones; terms (a)+(c) are the content, (b)+(d) the
+    position. With ``is_causal`` keys ``j > M+i`` are masked; without it ``r`` must cover the negative
+    distances.
 
-    With ``need_weights=True`` (or dropout) the scores are formed explicitly; then it returns
-    ``(z, a)`` with the probabilities ``a`` ``[B, H, Q, K]`` (after dropout, zeros for a query with
-    no key left).
+    Args:
+        q: ``[B, H, Q, D]``; k, v: ``[B, H, K, D]`` with ``K >= Q``.
+        r: ``[H, R, D]``, the projected relative embeddings ``W_{k,R} R_d`` for ``d = K-1, K-2, ..``
+            descending: ``R >= K`` causal, ``R >= K + Q - 1`` otherwise.
+        u, w: ``[H, D]``, the paper's ``u`` and ``v``.
+        dropout_p: on the probabilities; need_weights: also return them.
+
+    Returns:
+        ``z`` ``[B, H, Q, D]``; with ``need_weights``, ``(z, a)`` with ``a`` ``[B, H, Q, K]`` (after
+        dropout, zeros for a query with no key left).
+
+    Note:
+        Without dropout or weights, :func:`kernels.txl_chunked`: (b)+(d) is one matmul with ``q + w``
+        read through the relative shift, an additive bias for the fused attention of ``q + u``, in
+        chunks of query rows; no ``[B, H, Q, K]`` tensor. Otherwise the scores are formed explicitly.
+
+    Reference: ``txl_ref`` (float64 loops), ``txl_torch_ref`` (for gradients).
     """
     _check_qkv(q, k, v)
     dropout_p = _check_dropout(dropout_p)
@@ -1016,10 +587,8 @@ def transformer_xl_attention(
     if (Q == 0 or B * H == 0) and not need_weights:  # nothing to attend (the fused CPU kernel divides by the head count)
         return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * sum(t.sum() for t in (q, k, v, r, u, w))
     scale = 1.0 / math.sqrt(D)
-    user_mask = _additive_mask(attention_mask, None)
     if dropout_p == 0.0 and not need_weights:
-        q, k, v = _unit_stride(q, k, v)
-        return _TransformerXLAttention.apply(q, k, v, r, u, w, user_mask, is_causal, scale, _TXL_CHUNK)
+        return txl_chunked(q, k, v, r, u, w, attention_mask=attention_mask, is_causal=is_causal)
     M = K - Q
     causal = _causal_pattern(Q, K, M, q.device) if is_causal else None
     content = (q + u[:, None, :].to(q.dtype)) @ k.transpose(-1, -2)  # terms (a) + (c)
@@ -1036,8 +605,15 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int) -> torch.Tensor:
     """Transformer-XL's ``R`` (Vaswani et al. 2017 frequencies): ``[sin(p·f_k), cos(p·f_k)]``.
 
     ``f_k = 10000^(-2k/dim)`` for ``k = 0 .. dim/2-1``; the sin half first, then the cos half,
-    as in the original code. Returns ``[len(positions), dim]`` in ``positions``' float dtype
-    (float32 for integer positions).
+    as in the original code.
+
+    Args:
+        positions: ``[len]``; dim: even.
+
+    Returns:
+        ``[len, dim]`` in ``positions``' float dtype (float32 for integer positions).
+
+    Reference: ``sinusoidal_ref``.
     """
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"positions must be a 1-D torch.Tensor, got {type(positions).__name__}")
@@ -1067,7 +643,13 @@ def log_decay_bias(
     device: Optional[torch.device] = None,
     dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """The parameter-free bias ``B_ij = -scale · ln(1 + |j - (past_length + i)|)`` -> ``[Q, K]``."""
+    """The parameter-free bias ``B_ij = -scale · ln(1 + |j - (past_length + i)|)``.
+
+    Returns:
+        ``[Q, K]`` in ``dtype`` (default: torch's default dtype).
+
+    Reference: ``log_decay_ref``.
+    """
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
     past_length = _check_offset("past_length", past_length)
@@ -1089,6 +671,11 @@ def alibi_slopes(
 
     For ``n`` a power of two, ``m_h = 2^(-8h/n)``, ``h = 1 .. n``. Otherwise take the slopes of
     the largest power of two ``c < n`` and append every other slope of the ``2c`` sequence.
+
+    Returns:
+        ``[H]`` with ``H = num_heads``.
+
+    Reference: ``alibi_slopes_ref``.
     """
     num_heads = _check_int("num_heads", num_heads, 1)
     if dtype is not None and not dtype.is_floating_point:
@@ -1106,7 +693,16 @@ def alibi_slopes(
 
 
 def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0) -> torch.Tensor:
-    """ALiBi's bias ``B[h, i, j] = -m_h · |j - (past_length + i)|`` -> ``[1, H, Q, K]``."""
+    """ALiBi's bias ``B[h, i, j] = -m_h · |j - (past_length + i)|``.
+
+    Args:
+        slopes: ``[H]`` (:func:`alibi_slopes`).
+
+    Returns:
+        ``[1, H, Q, K]``.
+
+    Reference: ``alibi_bias_ref``.
+    """
     _check_tensor("slopes", slopes, 1, "[heads]")
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
@@ -1118,93 +714,25 @@ def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past
 
 
 def alibi_key_bias(slopes: torch.Tensor, key_length: int) -> torch.Tensor:
-    """ALiBi's causal bias as a bias per key -> ``[H, K]``: ``m_h · (j - (K - 1))``.
+    """ALiBi's causal bias as a bias per key: ``m_h · (j - (K - 1))``.
 
     For a query at ``i`` and keys ``j <= i``, ``-m_h (i - j) = m_h (j - (K-1)) - m_h (i - (K-1))``, and the
     last term is constant along the query's row, which softmax ignores. Measured from the last key,
     so the most recent keys carry the smallest values. :func:`causal_key_bias_attention` takes it.
+
+    Args:
+        slopes: ``[H]``; key_length: ``K``.
+
+    Returns:
+        ``[H, K]``.
+
+    Reference: ``alibi_causal_oracle`` in ``tests/test_key_bias.py``.
     """
     _check_tensor("slopes", slopes, 1, "[heads]")
     key_length = _check_int("key_length", key_length)
     compute = torch.float64 if slopes.dtype == torch.float64 else torch.float32
     j = torch.arange(key_length, device=slopes.device, dtype=compute)
     return (slopes.to(compute)[:, None] * (j - (key_length - 1)) + 0.0).to(slopes.dtype)
-
-
-class _CausalKeyBiasAttention(torch.autograd.Function):
-    """Causal attention with a per-key bias in the fused CPU kernel, ``chunk`` query rows at a time.
-
-    Rows ``a .. b-1`` meet the keys before ``a`` (all visible) and their own square block (causal) in
-    two kernel calls merged by log-sum-exp. Each chunk measures the bias from its last row,
-    ``key_bias[j] - key_bias[b-1]`` (formed in the key bias's own precision, float64 from the model),
-    so the values the kernel adds stay within ``|key_bias[b-1-chunk] - key_bias[b-1]|`` for the keys that
-    matter, whatever the length: the kernel's rounding of the logits stays ``eps`` times that. The
-    backward runs the kernel's backward for each part with the merged output and log-sum-exp.
-    ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with no key left gives zeros.
-    """
-
-    @staticmethod
-    def _parts(q, k, v, key_bias, keys, start, stop):
-        """The chunk's (keys slice, causal, additive mask, alive rows or None) for the prefix and its own block."""
-        rel = (key_bias[:, :stop] - key_bias[:, stop - 1 : stop]).to(q.dtype)[None, :, None, :]  # [1, H, 1, stop]
-        if keys is not None:  # -inf (not finfo.min): the kernel then gives a row with no key zeros
-            rel = rel.masked_fill(~keys[..., None, :stop], float("-inf"))
-            seen = keys[..., :stop].cumsum(-1)
-        parts = [(slice(start, stop), True, rel[..., start:stop],
-                  None if keys is None else (seen[..., start:stop] - seen[..., start - 1 : start] if start else
-                                             seen[..., start:stop]) > 0)]
-        if start:
-            alive = None if keys is None else (seen[..., start - 1 : start] > 0).expand(*seen.shape[:-1], stop - start)
-            parts.append((slice(0, start), False, rel[..., :start], alive))
-        return parts
-
-    @staticmethod
-    def forward(ctx, q, k, v, key_bias, keys, scale, chunk):
-        work = torch.promote_types(q.dtype, torch.float32)
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work)
-        for start in range(0, q.shape[2], chunk):
-            stop = min(start + chunk, q.shape[2])
-            acc = acc_lse = None
-            for cols, causal, mask, alive in _CausalKeyBiasAttention._parts(q, k, v, key_bias, keys, start, stop):
-                part, part_lse = _flash_cpu(q[:, :, start:stop], k[:, :, cols], v[:, :, cols], 0.0, causal,
-                                            attn_mask=mask, scale=scale)
-                part, part_lse = part.to(work), part_lse.to(work)
-                if alive is not None:
-                    part_lse = part_lse.masked_fill(~alive, float("-inf"))
-                if acc is None:
-                    acc, acc_lse = part, part_lse
-                    continue
-                merged = torch.logaddexp(acc_lse, part_lse)
-                weight = _finite(merged)
-                acc = acc * torch.exp(acc_lse - weight)[..., None] + part * torch.exp(part_lse - weight)[..., None]
-                acc_lse = merged
-            out[:, :, start:stop], lse[:, :, start:stop] = acc, _finite(acc_lse)
-        ctx.save_for_backward(q, k, v, key_bias, keys, out, lse)
-        ctx.scale, ctx.chunk = scale, chunk
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, key_bias, keys, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for start in range(0, q.shape[2], ctx.chunk):
-            stop = min(start + ctx.chunk, q.shape[2])
-            rows = slice(start, stop)
-            for cols, causal, mask, _ in _CausalKeyBiasAttention._parts(q, k, v, key_bias, keys, start, stop):
-                gq, gk, gv = _flash_cpu_backward(
-                    grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows].contiguous(),
-                    lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=mask, scale=ctx.scale,
-                )
-                dq[:, :, rows] += gq
-                dk[:, :, cols] += gk
-                dv[:, :, cols] += gv
-        return dq, dk, dv, None, None, None, None
-
-
-# Query rows per call of the per-key kernel: the bias the kernel adds stays within m·2048 (ALiBi, slope m).
-_KEY_BIAS_CHUNK = 2048
 
 
 def causal_key_bias_attention(
@@ -1216,19 +744,31 @@ def causal_key_bias_attention(
     attention_mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Causal self-attention with a bias per key: ``softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v`` -> ``[B, H, n, D]``.
+    """Causal self-attention with a bias per key.
 
-    ``key_bias`` is ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`; give it in float64 so that its
-    differences stay exact). On CPU in float32/float64, with no mask or one that masks keys alone
-    (bool ``[B|1, H|1, 1, n]``, as padding does), the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
-    fused kernel together with its causal flag, which skips the masked half: no ``[Q, K]`` tensor
-    (:class:`_CausalKeyBiasAttention`). The kernel adds the bias to the scores in the inputs'
-    precision: measured from the last row of each chunk of ``_KEY_BIAS_CHUNK`` rows, the values it
-    adds for the keys that matter stay below ALiBi's ``m_h · 2048``, so the logits carry at most about
-    ``eps · m_h · 2048`` (6e-5 in float32 for slope 1/2, against 1e-6 for the exact form). Elsewhere
-    (other devices, half precision, where that error would be large, other masks, a key bias that
-    needs a gradient) the bias is applied exactly as ``key_bias[h, j] - key_bias[h, i]`` over
-    ``[B|1, H, n, n]``. A row with no key left gives zeros.
+    ``z_i = softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v``.
+
+    Args:
+        q, k, v: ``[B, H, n, D]``.
+        key_bias: ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`; give it in float64 so that its
+            differences stay exact).
+        attention_mask: see the module docstring; scale: default ``1 / sqrt(D)``.
+
+    Returns:
+        ``[B, H, n, D]``; a row with no key left gives zeros.
+
+    Note:
+        On CPU in float32/float64, with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding
+        makes), :func:`kernels.causal_key_bias`: the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
+        fused kernel with its causal flag, which skips the masked half; no ``[Q, K]`` tensor. The kernel
+        adds the bias in the inputs' precision; measured from the last row of each chunk of
+        ``kernels.KEY_BIAS_CHUNK`` rows, the values it adds for the keys that matter stay below ALiBi's
+        ``m_h · 2048``, so the logits carry at most about ``eps · m_h · 2048`` (6e-5 in float32 for slope
+        1/2, against 1e-6 for the exact form). Elsewhere (other devices, half precision, where that error
+        would be large, other masks, a key bias that needs a gradient) the bias is applied exactly as
+        ``key_bias[h, j] - key_bias[h, i]`` over ``[B|1, H, n, n]``.
+
+    Reference: ``alibi_causal_oracle`` in ``tests/test_key_bias.py``.
     """
     _check_qkv(q, k, v)
     B, H, n, D = q.shape
@@ -1239,17 +779,8 @@ def causal_key_bias_attention(
         raise ValueError(f"key_bias must have shape [heads, k_len] = [{H}, {n}], got {tuple(key_bias.shape)}")
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    keys = _key_mask(attention_mask, n)
-    fused = (
-        q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
-        and v.shape[-1] == D  # the fused kernel needs one head size
-        and (attention_mask is None or keys is not None)
-        # the kernel gives no gradient for its mask: a trained key bias takes the exact form
-        and not (key_bias.requires_grad and torch.is_grad_enabled())
-    )
-    if fused:
-        q, k, v = _unit_stride(q, k, v)
-        return _CausalKeyBiasAttention.apply(q, k, v, key_bias, keys, scale, _KEY_BIAS_CHUNK)
+    if causal_key_bias_applies(q, k, v, key_bias, attention_mask):
+        return causal_key_bias(q, k, v, key_bias, attention_mask=attention_mask, scale=scale)
     work = torch.promote_types(key_bias.dtype, torch.float32)
     exact = (key_bias.to(work)[:, None, :] - key_bias.to(work)[:, :, None]).unsqueeze(0)
     exact = exact + _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device))
@@ -1266,10 +797,18 @@ def causal_key_bias_attention(
 def kerple_log_bias(
     r1: torch.Tensor, r2: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0
 ) -> torch.Tensor:
-    """KERPLE's logarithmic kernel ``B[h, i, j] = -r1_h · ln(1 + r2_h · |j - (past_length + i)|)`` -> ``[1, H, Q, K]``.
+    """KERPLE's logarithmic kernel ``B[h, i, j] = -r1_h · ln(1 + r2_h · |j - (past_length + i)|)``.
 
-    ``r1``, ``r2``: ``[H]``, positive (Chi et al. 2022, the "log" variant of their conditionally positive
-    definite kernels). The fixed log-decay bias is the case ``r1 = scale``, ``r2 = 1``.
+    Chi et al. 2022, the "log" variant of their conditionally positive definite kernels. The fixed
+    log-decay bias is the case ``r1 = scale``, ``r2 = 1``.
+
+    Args:
+        r1, r2: ``[H]``, positive.
+
+    Returns:
+        ``[1, H, Q, K]``.
+
+    Reference: ``kerple_log_ref``.
     """
     _check_tensor("r1", r1, 1, "[heads]")
     _check_tensor("r2", r2, 1, "[heads]")
@@ -1288,14 +827,6 @@ def kerple_log_bias(
     return bias.to(r1.dtype).unsqueeze(0)
 
 
-# Rows of the FIRE MLP's [rows, K, width] hidden layer formed at a time: memory stays bounded at any length.
-_FIRE_ELEMENTS = 1 << 22
-
-
-def _fire_mlp(x, w1, b1, w2, b2):
-    return F.linear(F.relu(F.linear(x[..., None], w1, b1)), w2, b2)
-
-
 def fire_bias(
     w1: torch.Tensor,
     b1: torch.Tensor,
@@ -1310,18 +841,28 @@ def fire_bias(
     positions: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """FIRE (Li et al. 2024, its bias with a learned threshold): ``B[h, i, j] = f(ψ(i' - j) / ψ(max(L, p_i)))_h``
-    -> ``[B|1, H, Q, K]``.
+    """FIRE (Li et al. 2024, its bias with a learned threshold): ``B[h, i, j] = f(ψ(i' - j) / ψ(max(L, p_i)))_h``.
 
     ``i' = past_length + i`` is the query's index among the keys (distances are ``i' - j``); ``p_i`` its
-    position in its sequence, ``positions`` ``[B|1, Q]`` (default ``i'``), which differs from ``i'`` when keys
-    were dropped (a sliding window), in packed rows or after left padding; ``ψ(x) = ln(1 + |c·x|)`` the log transform with a
-    learned ``c``; ``L = threshold`` the learned length below which the normaliser stays ``ψ(L)``
-    (progressive interpolation beyond it); ``f(x) = w2·relu(w1·x + b1) + b2`` the learned MLP, given as an
-    ``nn.Linear`` pair's weights: ``w1`` ``[width, 1]``, ``b1`` ``[width]``, ``w2`` ``[H, width]``, ``b2``
-    ``[H]``; ``c`` and ``threshold`` are 0-d. ``eps`` keeps ``ψ(max(L, p_i))`` away from 0, as the paper's
-    code does. Meant for causal attention (``j <= p_i``); the MLP runs over blocks of query rows, each
-    recomputed in backward, so its ``[rows, K, width]`` hidden layer is never whole.
+    position in its sequence, which differs from ``i'`` when keys were dropped (a sliding window), in
+    packed rows or after left padding; ``ψ(x) = ln(1 + |c·x|)`` the log transform with a learned ``c``;
+    ``L = threshold`` the learned length below which the normaliser stays ``ψ(L)`` (progressive
+    interpolation beyond it); ``f(x) = w2·relu(w1·x + b1) + b2`` the learned MLP. ``eps`` keeps
+    ``ψ(max(L, p_i))`` away from 0, as the paper's code does. Meant for causal attention (``j <= p_i``).
+
+    Args:
+        w1, b1, w2, b2: an ``nn.Linear`` pair's weights, ``[width, 1]``, ``[width]``, ``[H, width]``, ``[H]``.
+        c, threshold: 0-d.
+        positions: ``[B|1, Q]``, the ``p_i`` (default ``i'``).
+
+    Returns:
+        ``[B|1, H, Q, K]``.
+
+    Note:
+        The MLP runs over blocks of query rows (:func:`kernels.fire_mlp`), each recomputed in backward,
+        so its ``[rows, K, width]`` hidden layer is never whole.
+
+    Reference: ``fire_torch_ref``.
     """
     for name, x, ndim, doc in (("w1", w1, 2, "[width, 1]"), ("b1", b1, 1, "[width]"), ("w2", w2, 2, "[heads, width]"),
                                ("b2", b2, 1, "[heads]"), ("c", c, 0, "[] (a scalar)"),
@@ -1351,16 +892,6 @@ def fire_bias(
     normaliser = psi(torch.maximum(positions.to(compute), threshold)) + eps  # [B|1, Q]
     distance = _relative_distance(query_length, key_length, past_length, device).to(compute)
     x = psi(distance) / normaliser[:, :, None]  # [B|1, Q, K]: |i' - j| through ψ's absolute value
-    weights = [t.to(compute) for t in (w1, b1, w2, b2)]
-    rows = max(1, _FIRE_ELEMENTS // max(1, key_length * width))
-    checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights))
-    blocks = []
-    for start in range(0, query_length, rows):
-        part = x[:, start : start + rows]
-        if checkpoint:  # keep only x for backward, not the hidden layer
-            blocks.append(torch.utils.checkpoint.checkpoint(_fire_mlp, part, *weights, use_reentrant=False))
-        else:
-            blocks.append(_fire_mlp(part, *weights))
-    bias = torch.cat(blocks, dim=1) if blocks else x.new_zeros(x.shape[0], 0, key_length, heads)
+    bias = fire_mlp(x, *(t.to(compute) for t in (w1, b1, w2, b2)))  # [B|1, Q, K, H]
     return bias.permute(0, 3, 1, 2).to(w1.dtype)
 

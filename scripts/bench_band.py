@@ -1,9 +1,10 @@
-"""The band decomposition alone (``functional._BandedAttention``) against the form it replaces, by length.
+"""The band decomposition alone (``kernels.shaw_banded`` / ``kernels.saturating_bias_banded``) against the form
+it replaces, by length.
 
 ``shaw_attention`` (Shaw's clipped embeddings) and ``saturating_bias_attention`` (T5's bucketed bias)
-switch to the band decomposition at ``_SHAW_BAND_MIN_LENGTH`` / ``_BIAS_BAND_MIN_LENGTH`` (causal:
-``_CAUSAL_BIAS_BAND_MIN_LENGTH``); this
-script measures where that pays. Per length, three contenders run interleaved in one process
+switch to the band decomposition at ``kernels.SHAW_BAND_MIN_LENGTH`` / ``kernels.BIAS_BAND_MIN_LENGTH`` (causal:
+``kernels.CAUSAL_BIAS_BAND_MIN_LENGTH``); this script calls each path directly and measures where the band
+pays. Per length, three contenders run interleaved in one process
 (forward, then forward+backward), medians after a warm-up, as ratios to plain SDPA
 (``F.scaled_dot_product_attention`` without any position term, causal when the scheme is):
 
@@ -30,20 +31,21 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import machine_line, write_report  # noqa: E402
 
-from hf_relpos import functional  # noqa: E402
+from hf_relpos import functional, kernels  # noqa: E402
 
-THRESHOLD = {"shaw": ["_SHAW_BAND_MIN_LENGTH"], "t5_bias": ["_BIAS_BAND_MIN_LENGTH", "_CAUSAL_BIAS_BAND_MIN_LENGTH"]}
+# Where functional.py switches to the band: (bidirectional, causal).
+THRESHOLD = {"shaw": (kernels.SHAW_BAND_MIN_LENGTH,) * 2,
+             "t5_bias": (kernels.BIAS_BAND_MIN_LENGTH, kernels.CAUSAL_BIAS_BAND_MIN_LENGTH)}
 
 
-def with_threshold(scheme: str, value: int, fn):
-    saved = {name: getattr(functional, name) for name in THRESHOLD[scheme]}
-    for name in saved:
-        setattr(functional, name, value)
-    try:
-        return fn()
-    finally:
-        for name, old in saved.items():
-            setattr(functional, name, old)
+def spread_bias_attention(q, k, v, table, causal):
+    """``saturating_bias_attention`` below its threshold: the bias spread over ``[1, H, n, n]`` in the fused kernel."""
+    n, s = q.shape[2], table.shape[1] // 2
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    full = table[:, (j - i).clamp(-s, s) + s].unsqueeze(0)
+    if causal:
+        full = full.float().masked_fill(j > i, float("-inf"))
+    return functional.attention_with_bias(q, k, v, full)
 
 
 def contenders(scheme, q, k, v, table, clip, causal):
@@ -52,18 +54,17 @@ def contenders(scheme, q, k, v, table, clip, causal):
 
     if scheme == "shaw":
         rel_k, rel_v = table
-        run = lambda: functional.shaw_attention(  # noqa: E731
+        band = lambda: kernels.shaw_banded(  # noqa: E731
             q, k, v, rel_k, rel_v, max_relative_position=clip, is_causal=causal
         )
-        other = "gathered"
+        # need_weights takes the gathered form (which forms the probabilities either way)
+        other, run = "gathered", lambda: functional.shaw_attention(  # noqa: E731
+            q, k, v, rel_k, rel_v, max_relative_position=clip, is_causal=causal, need_weights=True
+        )[0]
     else:
-        run = lambda: functional.saturating_bias_attention(q, k, v, table(), is_causal=causal)  # noqa: E731
-        other = "bias [1, H, n, n]"
-    return {
-        "plain SDPA": plain,
-        "band": lambda: with_threshold(scheme, 1, run),
-        other: lambda: with_threshold(scheme, 10**9, run),
-    }
+        band = lambda: kernels.saturating_bias_banded(q, k, v, table(), is_causal=causal)  # noqa: E731
+        other, run = "bias [1, H, n, n]", lambda: spread_bias_attention(q, k, v, table(), causal)  # noqa: E731
+    return {"plain SDPA": plain, "band": band, other: run}
 
 
 def timed(fn, backward: bool) -> float:
@@ -122,7 +123,7 @@ def main() -> None:
         f"Command: `python scripts/bench_band.py {' '.join(sys.argv[1:])}`  ",
         f"{machine_line(args.threads)}; batch {args.batch}, {args.heads} heads, head dim {args.head_dim}, "
         f"{what}, {'causal' if args.causal else 'bidirectional'}, fp32; medians of {args.repeats} interleaved runs "
-        f"after a warm-up. The band is taken from n >= {getattr(functional, THRESHOLD[args.scheme][-1 if args.causal else 0])}.",
+        f"after a warm-up. The band is taken from n >= {THRESHOLD[args.scheme][int(args.causal)]}.",
         "",
         "Time as a ratio to plain SDPA (no position term) at the same length; lower is faster.",
         "",

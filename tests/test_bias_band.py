@@ -2,8 +2,9 @@
 
 The oracle builds the bias of every (query, key) pair from upstream Transformers' own
 ``T5Attention._relative_position_bucket`` and runs a plain float64 softmax: nothing in it comes
-from the banded code. On CPU the band is taken from ``_BIAS_BAND_MIN_LENGTH`` (512) tokens; the
-tests lower that threshold so the oracles stay fast, and check that the banded path really ran.
+from the banded code. On CPU ``saturating_bias_attention`` takes the band from ``kernels.BIAS_BAND_MIN_LENGTH``
+tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal); the tests call the kernel (``kernels.saturating_bias_banded``)
+directly on short sequences so the oracles stay fast, and check that the banded path really ran.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_relpos import functional as F
+from hf_relpos import kernels as K
 from test_shaw_banded import _LargestTensor, outputs_and_grads
 
 
@@ -52,14 +54,17 @@ def inputs(seed, B, H, n, D, num_buckets, dtype=torch.float64, requires_grad=Tru
 
 @pytest.fixture
 def band(monkeypatch):
-    """Band from any length, and a record of the calls that took it."""
-    monkeypatch.setattr(F, "_BIAS_BAND_MIN_LENGTH", 1)
-    monkeypatch.setattr(F, "_CAUSAL_BIAS_BAND_MIN_LENGTH", 1)
-    monkeypatch.setattr(F, "_BAND_ROWS", 64)  # passes of one block each: several per test sequence
+    """A record of the calls that took the band (a spy: each call still runs the kernel)."""
     calls = []
-    real = F._BandedAttention.apply
-    monkeypatch.setattr(F._BandedAttention, "apply", lambda *a: calls.append(a[6]) or real(*a))
+    real = K._BandedAttention.apply
+    monkeypatch.setattr(K._BandedAttention, "apply", lambda *a: calls.append(a[6]) or real(*a))
     return calls
+
+
+def banded(q, k, v, bias, **kwargs):
+    """``saturating_bias_attention`` by the band decomposition, in passes of one block each (several per test
+    sequence)."""
+    return K.saturating_bias_banded(q, k, v, bias, rows=64, **kwargs)
 
 
 @settings(max_examples=40, deadline=None)
@@ -92,7 +97,7 @@ def test_saturation_distance_is_where_upstream_buckets_stop_changing(bidirection
 def test_values_and_gradients_match_float64_oracle(band, n, num_buckets, max_distance, causal):
     q, k, v, weight = inputs(n + num_buckets, 2, 3, n, 5, num_buckets)
     table = F.t5_bias_by_distance(weight, bidirectional=not causal, max_distance=max_distance)
-    got = F.saturating_bias_attention(q, k, v, table, is_causal=causal)
+    got = banded(q, k, v, table, is_causal=causal)
     assert len(band) == 1
     want = t5_attention_oracle(q, k, v, weight, bidirectional=not causal, max_distance=max_distance, causal=causal)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
@@ -107,27 +112,26 @@ def test_values_and_gradients_match_float64_oracle(band, n, num_buckets, max_dis
 def test_gradcheck(band, causal):
     q, k, v, _ = inputs(3, 1, 2, 13, 3, 4)
     table = torch.randn(2, 7, dtype=torch.float64, requires_grad=True)  # any per-distance bias, s = 3
-    assert torch.autograd.gradcheck(lambda *t: F.saturating_bias_attention(*t, is_causal=causal), (q, k, v, table))
+    assert torch.autograd.gradcheck(lambda *t: banded(*t, is_causal=causal), (q, k, v, table))
     assert band
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_band_matches_the_spread_bias_it_replaces(band, monkeypatch, causal):
-    """The banded path against the bias spread over [1, H, n, n] in attention_with_bias (fp32, as models run)."""
+def test_band_matches_the_spread_bias_it_replaces(band, causal):
+    """The banded path against the bias spread over [1, H, n, n] in attention_with_bias (fp32, as models run),
+    which saturating_bias_attention takes below kernels.BIAS_BAND_MIN_LENGTH."""
     q, k, v, weight = inputs(7, 2, 4, 300, 16, 32, dtype=torch.float32)
     leaves = (q, k, v, weight)
-    run = lambda: F.saturating_bias_attention(  # noqa: E731
+    run = lambda attention: attention(  # noqa: E731
         q, k, v, F.t5_bias_by_distance(weight, bidirectional=not causal), is_causal=causal
     )
-    banded = run()
-    grad_out = torch.randn_like(banded)
-    banded_grads = torch.autograd.grad(banded, leaves, grad_out)
-    monkeypatch.setattr(F, "_BIAS_BAND_MIN_LENGTH", 10**9)
-    monkeypatch.setattr(F, "_CAUSAL_BIAS_BAND_MIN_LENGTH", 10**9)
-    spread = run()
+    band_out = run(banded)
+    grad_out = torch.randn_like(band_out)
+    banded_grads = torch.autograd.grad(band_out, leaves, grad_out)
+    spread = run(F.saturating_bias_attention)
     spread_grads = torch.autograd.grad(spread, leaves, grad_out)
     assert len(band) == 1
-    torch.testing.assert_close(banded, spread, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(band_out, spread, rtol=1e-5, atol=1e-5)
     for a, b in zip(banded_grads, spread_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -136,7 +140,7 @@ def test_bfloat16_close_to_float64(band):
     n = 160
     q, k, v, weight = inputs(21, 1, 2, n, 16, 8, dtype=torch.bfloat16)
     table = F.t5_bias_by_distance(weight, max_distance=20)
-    out = F.saturating_bias_attention(q, k, v, table)
+    out = banded(q, k, v, table)
     assert out.dtype == torch.bfloat16 and band
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
     got = torch.autograd.grad(out, (q, k, v, weight), grad_out.bfloat16())
@@ -172,8 +176,8 @@ def test_rejects_a_bias_that_is_not_per_head_and_distance():
 
 @pytest.mark.parametrize("is_decoder", [False, True])
 def test_model_takes_the_band_and_matches_the_full_bias(band, monkeypatch, is_decoder):
-    """A T5-bias model on 150 tokens (no padding): the band gives the outputs and gradients (the shared
-    table's included) of the model with the full [1, H, n, n] bias, which the model tests check
+    """A T5-bias model at the band's threshold (no padding): the band gives the outputs and gradients (the
+    shared table's included) of the model with the full [1, H, n, n] bias, which the model tests check
     against the float64 model oracle."""
     from hf_relpos import RelPosConfig, RelPosModel
 
@@ -183,7 +187,8 @@ def test_model_takes_the_band_and_matches_the_full_bias(band, monkeypatch, is_de
     torch.manual_seed(0)
     model = RelPosModel(config)
     torch.nn.init.normal_(model.position.relative_attention_bias.weight, std=1.0)
-    ids = torch.randint(0, 64, (2, 150))
+    n = K.CAUSAL_BIAS_BAND_MIN_LENGTH if is_decoder else K.BIAS_BAND_MIN_LENGTH
+    ids = torch.randint(0, 64, (2, n))
 
     banded_out, banded_grads = outputs_and_grads(model, ids)
     assert len(band) == config.num_hidden_layers
@@ -203,7 +208,7 @@ def test_padding_keeps_the_band_and_matches_float64_oracle(band, n, causal):
     q, k, v, weight = inputs(n, 4, 2, n, 5, 16)
     mask = padding_mask(4, n, torch.Generator().manual_seed(n))
     table = F.t5_bias_by_distance(weight, bidirectional=not causal, max_distance=30)
-    got = F.saturating_bias_attention(q, k, v, table, attention_mask=mask, is_causal=causal)
+    got = banded(q, k, v, table, attention_mask=mask, is_causal=causal)
     assert len(band) == 1
     want = t5_attention_oracle(q, k, v, weight, bidirectional=not causal, max_distance=30, causal=causal, keys=mask)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
@@ -218,12 +223,11 @@ def test_padding_keeps_the_band_and_matches_float64_oracle(band, n, causal):
 @pytest.mark.parametrize("position_encoding,is_decoder", [("t5_bias", False), ("t5_bias", True), ("shaw", False),
                                                           ("shaw", True), ("alibi", True)])
 def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, is_decoder):
-    """A padded batch (right and left padding) takes the band / per-key path: the same outputs and
-    gradients as the same padding given as a [B, 1, Q, K] mask, which takes the general path."""
+    """A padded batch (right and left padding) at the band's threshold takes the band / per-key path: the
+    same outputs and gradients as the same padding given as a [B, 1, Q, K] mask, which takes the general path."""
     from hf_relpos import RelPosConfig, RelPosModel
     from hf_relpos import position_schemes
 
-    monkeypatch.setattr(F, "_SHAW_BAND_MIN_LENGTH", 1)
     config = RelPosConfig(position_encoding=position_encoding, vocab_size=64, hidden_size=32, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=64, is_decoder=is_decoder,
                           relative_attention_num_buckets=16, relative_attention_max_distance=40,
@@ -233,7 +237,8 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     for name, p in model.named_parameters():  # relative tables away from their zero init
         if "relative" in name:
             torch.nn.init.normal_(p, std=0.5)
-    n = 120
+    n = {"t5_bias": K.CAUSAL_BIAS_BAND_MIN_LENGTH if is_decoder else K.BIAS_BAND_MIN_LENGTH,
+         "shaw": K.SHAW_BAND_MIN_LENGTH, "alibi": 120}[position_encoding]
     ids = torch.randint(0, 64, (3, n))
     keep = torch.ones(3, n, dtype=torch.long)
     keep[0, n - 17:] = 0  # right padding
@@ -261,16 +266,16 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
-def test_passes_over_the_band_do_not_change_the_result(band, monkeypatch):
-    """The band is computed a pass of _BAND_ROWS query rows at a time (forward and backward): one pass,
+def test_passes_over_the_band_do_not_change_the_result(band):
+    """The band is computed a pass of ``rows`` query rows at a time (forward and backward): one pass,
     passes of two blocks and passes of one block give the same values and gradients."""
     q, k, v, weight = inputs(23, 2, 3, 300, 8, 16)
     mask = torch.ones(2, 1, 1, 300, dtype=torch.bool)
     mask[1, ..., 250:] = False
     results = []
     for rows in (10**6, 128, 64):
-        monkeypatch.setattr(F, "_BAND_ROWS", rows)
-        out = F.saturating_bias_attention(q, k, v, F.t5_bias_by_distance(weight, max_distance=40), attention_mask=mask)
+        out = K.saturating_bias_banded(q, k, v, F.t5_bias_by_distance(weight, max_distance=40), attention_mask=mask,
+                                       rows=rows)
         results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, weight))))
     for other in results[1:]:
         for a, b in zip(results[0], other):

@@ -34,7 +34,8 @@ from hf_relpos.memory import segment_perplexity
 torch.set_num_threads(1)
 
 PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent
-CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "position_schemes.py", "functional.py")
+CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "position_schemes.py", "functional.py", "kernels.py",
+              "attention_utils.py")
 AUTO_MAP_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 SUBCOMMANDS = ("train", "generate", "eval", "validate-t5", "compare", "inspect")
 SCHEME_TAG = {"t5_bias": "t5-bias", "transformer_xl": "transformer-xl", "learned": "learned-absolute"}

@@ -1259,19 +1259,6 @@ def test_fire_bias_reads_each_rows_query_positions():
     assert_names(ei, "positions")
 
 
-def test_fire_bias_blocks_of_rows_give_the_whole(monkeypatch):
-    """The MLP runs over blocks of query rows (checkpointed when a gradient is needed): blocks of 2 rows give
-    the single-block values and gradients."""
-    params = [t.requires_grad_() for t in _fire_params(2, 4, 3)]
-    whole = F.fire_bias(*params, 7, 9, past_length=2)
-    grads = torch.autograd.grad(whole.pow(2).sum(), params)
-    monkeypatch.setattr(F, "_FIRE_ELEMENTS", 2 * 9 * 4)
-    blocks = F.fire_bias(*params, 7, 9, past_length=2)
-    assert_close64(blocks, whole.detach(), 0.0)
-    for a, b in zip(torch.autograd.grad(blocks.pow(2).sum(), params), grads):
-        assert_close64(a, b, 1e-12)
-
-
 def test_fire_bias_errors():
     w1, b1, w2, b2, c, threshold = _fire_params(2, 4, 1)
     with pytest.raises(ValueError) as ei:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_relpos import functional as F
+from hf_relpos import kernels
 from oracles import alibi_slopes_ref
 from test_shaw_banded import _LargestTensor
 
@@ -157,17 +158,17 @@ def test_trained_key_bias_gets_its_gradient():
 
 
 @pytest.mark.parametrize("causal_rows_padded", [False, True])
-def test_chunks_match_float64_oracle(monkeypatch, causal_rows_padded):
+def test_chunks_match_float64_oracle(causal_rows_padded):
     """Query rows in chunks of 16 (prefix + own block per chunk, merged by log-sum-exp), with and without
     padding: values and gradients against the loop oracle."""
     from test_shaw_banded import padding_mask
 
-    monkeypatch.setattr(F, "_KEY_BIAS_CHUNK", 16)
     H, n = 4, 70
     q, k, v = inputs(17, 4, H, n, 8)
     mask = padding_mask(4, n, torch.Generator().manual_seed(5)) if causal_rows_padded else None
-    got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(F.alibi_slopes(H, dtype=torch.float64), n),
-                                      attention_mask=mask)
+    key_bias = F.alibi_key_bias(F.alibi_slopes(H, dtype=torch.float64), n)
+    assert kernels.causal_key_bias_applies(q, k, v, key_bias, mask)
+    got = kernels.causal_key_bias(q, k, v, key_bias, attention_mask=mask, chunk=16)
     want = alibi_causal_oracle(q, k, v, alibi_slopes_ref(H), keys=None if mask is None else mask[:, :, 0, :])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -175,7 +176,7 @@ def test_chunks_match_float64_oracle(monkeypatch, causal_rows_padded):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
 
 
-def test_chunks_bound_the_rounding_at_any_length(monkeypatch):
+def test_chunks_bound_the_rounding_at_any_length():
     """float32: one chunk of n = 1024 rows rounds the first rows' logits at about eps · m · n; chunks of 128
     keep every row within eps · m · 128, as the docstring states."""
     H, n = 8, 1024
@@ -187,8 +188,7 @@ def test_chunks_bound_the_rounding_at_any_length(monkeypatch):
     want = torch.softmax(scores.masked_fill(j > i, float("-inf")), -1) @ v.double()
     errors = {}
     for chunk in (1024, 128):
-        monkeypatch.setattr(F, "_KEY_BIAS_CHUNK", chunk)
-        got = F.causal_key_bias_attention(q, k, v, F.alibi_key_bias(slopes, n))
+        got = kernels.causal_key_bias(q, k, v, F.alibi_key_bias(slopes, n), chunk=chunk)
         errors[chunk] = (got.double() - want).abs().max().item()
     eps = torch.finfo(torch.float32).eps
     assert errors[128] < 4 * eps * 0.5 * 128, errors

@@ -1,11 +1,13 @@
-"""Transformer-XL attention in chunks of query rows (``functional._TransformerXLAttention``).
+"""Transformer-XL attention in chunks of query rows (``kernels.txl_chunked``).
 
-The chunk size is lowered so that small inputs span several chunks (the default, 256 rows, leaves
-the oracle cases of test_functional.py in one chunk); values and gradients are checked against
-the per-(i, j) float64 loop oracles written from the contract's formula.
+The tests pass a small ``chunk`` so that small inputs span several chunks (the default,
+``kernels.TXL_CHUNK`` = 256 rows, leaves the oracle cases of test_functional.py in one chunk); values and
+gradients are checked against the per-(i, j) float64 loop oracles written from the contract's formula.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_relpos import functional as F
+from hf_relpos import kernels
 from oracles import txl_ref, txl_torch_ref
 from test_functional import _dead_rows, _full_mask_pattern, make_mask, txl_inputs
 from test_shaw_banded import _LargestTensor
@@ -20,12 +23,9 @@ from test_shaw_banded import _LargestTensor
 FIXTURE_OK = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    def set_chunk(rows):
-        monkeypatch.setattr(F, "_TXL_CHUNK", rows)
-
-    return set_chunk
+def chunked(rows):
+    """``transformer_xl_attention``'s chunked path (no dropout, no weights) with ``rows`` query rows per chunk."""
+    return functools.partial(kernels.txl_chunked, chunk=rows)
 
 
 @FIXTURE_OK
@@ -34,13 +34,12 @@ def small_chunks(monkeypatch):
     causal=st.booleans(), extra_r=st.integers(0, 2), mk=st.sampled_from([None, "bool", "float_inf", "float_min"]),
     chunk=st.integers(1, 4), seed=st.integers(0, 2**16),
 )
-def test_chunked_values_match_loop_oracle(small_chunks, B, H, Q, M, D, causal, extra_r, mk, chunk, seed):
-    small_chunks(chunk)
+def test_chunked_values_match_loop_oracle(B, H, Q, M, D, causal, extra_r, mk, chunk, seed):
     K = Q + M
     R = (K if causal else K + Q - 1) + extra_r
     g, q, k, v, r, u, w = txl_inputs(seed, B, H, Q, K, D, R)
     mask = make_mask(g, mk, B, H, Q, K)
-    got = F.transformer_xl_attention(q, k, v, r, u, w, attention_mask=mask, is_causal=causal)
+    got = chunked(chunk)(q, k, v, r, u, w, attention_mask=mask, is_causal=causal)
     want = txl_ref(q, k, v, r, u, w, attention_mask=mask, is_causal=causal)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
@@ -49,8 +48,7 @@ def test_chunked_values_match_loop_oracle(small_chunks, B, H, Q, M, D, causal, e
     "Q,M,causal,mk,chunk",
     [(7, 0, True, None, 2), (7, 3, True, "bool", 3), (6, 2, False, "float_inf", 4), (5, 0, False, None, 1)],
 )
-def test_chunked_gradients_match_loop_oracle(small_chunks, Q, M, causal, mk, chunk):
-    small_chunks(chunk)
+def test_chunked_gradients_match_loop_oracle(Q, M, causal, mk, chunk):
     K = Q + M
     g, *leaves = txl_inputs(Q * 100 + M, 2, 2, Q, K, 3, K if causal else K + Q - 1)
     mask = make_mask(g, mk, 2, 2, Q, K)
@@ -61,27 +59,26 @@ def test_chunked_gradients_match_loop_oracle(small_chunks, Q, M, causal, mk, chu
         out = fn(*xs, attention_mask=mask, is_causal=causal)
         return torch.autograd.grad((out * weights).sum(), xs)
 
-    for name, a, b in zip("q k v r u w".split(), grads(F.transformer_xl_attention), grads(txl_torch_ref)):
+    for name, a, b in zip("q k v r u w".split(), grads(chunked(chunk)), grads(txl_torch_ref)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m: f"grad of {name}: {m}")
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_chunked_gradcheck(small_chunks, causal):
-    small_chunks(2)
+def test_chunked_gradcheck(causal):
     Q, K = 5, 7
     g, *leaves = txl_inputs(7, 1, 2, Q, K, 3, K if causal else K + Q - 1)
     xs = tuple(t.requires_grad_(True) for t in leaves)
-    assert torch.autograd.gradcheck(lambda *a: F.transformer_xl_attention(*a, is_causal=causal), xs)
+    assert torch.autograd.gradcheck(lambda *a: chunked(2)(*a, is_causal=causal), xs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_fully_masked_rows_are_zero_with_zero_gradient(small_chunks, dtype):
-    small_chunks(1)  # every row its own chunk: a dead row is a whole dead chunk
+def test_chunked_fully_masked_rows_are_zero_with_zero_gradient(dtype):
+    # every row its own chunk (chunked(1)): a dead row is a whole dead chunk
     B, H, Q, K, D = 2, 2, 4, 5, 8
     _, q, k, v, r, u, w = txl_inputs(62, B, H, Q, K, D, K + Q - 1, dtype=dtype)
     mask = _full_mask_pattern("float_inf", B, H, Q, K, dtype)
     q.requires_grad_(True)
-    out = F.transformer_xl_attention(q, k, v, r, u, w, attention_mask=mask, is_causal=False)
+    out = chunked(1)(q, k, v, r, u, w, attention_mask=mask, is_causal=False)
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
     for b, h, i in _dead_rows():
@@ -120,15 +117,14 @@ def test_empty_batch_or_heads(B, H):
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 4, 6), (4, 6), (1, 1, 1, 6)])
-def test_float_mask_gets_its_gradient(small_chunks, shape):
+def test_float_mask_gets_its_gradient(shape):
     """An additive float mask that requires grad receives dS, summed over its broadcast dims: checked
     against autograd through an independent gather-based formulation of the same scores."""
-    small_chunks(3)
     B, H, Q, M, D = 2, 2, 4, 2, 3
     K = Q + M
     g, q, k, v, r, u, w = txl_inputs(19, B, H, Q, K, D, K + Q - 1)
     mask = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
-    out = F.transformer_xl_attention(q, k, v, r, u, w, attention_mask=mask, is_causal=False)
+    out = chunked(3)(q, k, v, r, u, w, attention_mask=mask, is_causal=False)
     weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
     (got,) = torch.autograd.grad((out * weights).sum(), mask)
     ref_mask = mask.detach().clone().requires_grad_(True)

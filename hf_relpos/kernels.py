@@ -1,0 +1,770 @@
+"""The fast autograd paths behind ``functional.py``'s attention functions, as plain entry points.
+
+Each entry point computes exactly what its ``functional.py`` counterpart defines (the reference math, checked
+against the float64 oracles in ``tests/oracles.py``) with less memory or time on CPU; ``tests/test_kernels.py``
+checks each against both, values and gradients. ``functional.py`` checks the arguments and dispatches here when
+the matching ``*_applies`` predicate holds; the entry points assume it holds and do not check again. Thresholds
+and chunk sizes are arguments whose defaults are the module constants below, so a test or a benchmark picks a
+path or a chunk by passing them.
+
+Shapes as in ``functional.py``'s legend: ``B`` batch, ``H`` heads, ``Q`` query rows, ``K`` keys (``n`` for
+self-attention), ``D`` head size.
+
+=================================  ========================================  ====================================
+entry point                        computes                                  used by
+=================================  ========================================  ====================================
+:func:`fused_bias_attention`       ``softmax(q k^T · scale + bias) v``       ``attention_with_bias``
+:func:`shaw_banded`                Shaw's attention, self-attention          ``shaw_attention``
+:func:`saturating_bias_banded`     a bias of the clipped distance            ``saturating_bias_attention``
+:func:`txl_chunked`                Transformer-XL attention                  ``transformer_xl_attention``
+:func:`causal_key_bias`            causal attention with a per-key bias      ``causal_key_bias_attention``
+:func:`fire_mlp`                   FIRE's MLP over blocks of query rows      ``fire_bias``
+=================================  ========================================  ====================================
+
+Flat module (remote code copies it beside ``modeling_relpos.py``): relative imports only, no Transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.autograd.function import once_differentiable
+
+from .attention_utils import _additive_mask, _causal_pattern, _is_zero, _rel_shift
+
+__all__ = [
+    "fused_bias_applies",
+    "fused_bias_attention",
+    "shaw_banded_applies",
+    "shaw_banded",
+    "saturating_bias_banded_applies",
+    "saturating_bias_banded",
+    "banded_attention",
+    "txl_chunked",
+    "causal_key_bias_applies",
+    "causal_key_bias",
+    "fire_mlp",
+]
+
+# Defaults of the entry points' thresholds and chunk sizes.
+FUSED_BIAS_CHUNK = 256  # query rows per chunk of fused_bias_attention's backward
+BAND_BLOCK = 64  # query rows per block of the band
+BAND_ROWS = 512  # query rows per pass over the band (a multiple of the block): bounds its temporaries
+# Below this the gathered [B, H, n, n] form is faster on CPU (scripts/bench_band.py --scheme shaw measures the crossover).
+SHAW_BAND_MIN_LENGTH = 512
+# Below these the bias spread over [1, H, n, n] in the fused kernel is as fast on CPU (T5's 32 buckets up to 128:
+# band |d| < 91), bidirectional and causal: scripts/bench_band.py --scheme t5_bias [--causal] measures the crossover.
+BIAS_BAND_MIN_LENGTH = 1536
+CAUSAL_BIAS_BAND_MIN_LENGTH = 1024
+TXL_CHUNK = 256  # query rows per chunk of Transformer-XL attention
+# Query rows per call of the per-key kernel: the bias the kernel adds stays within m·2048 (ALiBi, slope m).
+KEY_BIAS_CHUNK = 2048
+# Rows of the FIRE MLP's [rows, K, width] hidden layer formed at a time: memory stays bounded at any length.
+FIRE_ELEMENTS = 1 << 22
+
+
+# ----------------------------------------------------------------------------------
+# Attention with a learned additive bias: fused forward, chunked backward
+# ----------------------------------------------------------------------------------
+
+
+# SDPA's fused CPU kernel and its backward, called directly for their log-sum-exp output and input.
+# Unlike the public SDPA entry point they assume a unit stride along head_dim: see _unit_stride.
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _unit_stride(*tensors: torch.Tensor):
+    """The tensors with a unit stride along the last dim (copied only where needed), as the raw kernel reads them."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+class _AttentionWithBias(torch.autograd.Function):
+    """``softmax(q k^T · scale + bias) v`` whose backward also returns the bias gradient.
+
+    PyTorch's CPU SDPA leaves its fused kernel for the math path (which keeps the whole
+    ``[B, H, Q, K]`` probability tensor for backward) as soon as the mask needs a gradient. Here the
+    forward runs the fused kernel with the bias as a constant and keeps only its output; the
+    backward recomputes the probabilities ``P = exp(S - lse)`` from the kernel's log-sum-exp, a chunk
+    of query rows at a time, and applies the softmax gradient ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))``
+    (as FlashAttention does).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, chunk_size):
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias.detach(), scale=scale)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        scale, chunk = ctx.scale, ctx.chunk_size
+        work = torch.promote_types(q.dtype, torch.float32)
+        qs, kf, vf, gf = (q.to(work) * scale), k.to(work), v.to(work), grad_out.to(work)
+        delta = (gf * out.to(work)).sum(-1, keepdim=True)
+        lse = lse.to(work).unsqueeze(-1)
+        # exp(S - lse) is exact only while lse keeps the precision of log K: a row whose every key
+        # sits at a huge negative value (finfo.min masks, -1e9 biases) rounds it away. Such rows, and a
+        # backward that must itself be differentiable (create_graph), take a full softmax instead.
+        exact = bool((lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10)) and not torch.is_grad_enabled()
+        dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
+        dbias = torch.empty(bias.shape, dtype=work, device=bias.device) if ctx.needs_input_grad[3] else None
+        for start in range(0, q.shape[2], chunk):
+            rows = slice(start, start + chunk)
+            # P = exp(s - lse) with the forward kernel's log-sum-exp: whole rows need no max or sum pass.
+            # A row with every key at -inf has scores -inf (and lse 0 from the kernel): P = 0, as its output.
+            scores = (qs[:, :, rows] @ kf.transpose(-1, -2)).add_(bias[:, :, rows].to(work))
+            if exact:
+                probs = scores.sub_(lse[:, :, rows]).exp_()
+            else:
+                probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: create_graph may need it
+            del scores
+            g = gf[:, :, rows]
+            dv += probs.transpose(-1, -2) @ g
+            dscores = g @ vf.transpose(-1, -2)
+            dscores.sub_(delta[:, :, rows]).mul_(probs)  # the softmax gradient dS = P ⊙ (dP - rowsum(dO ⊙ O))
+            del probs
+            dq[:, :, rows] = dscores @ kf
+            dk += dscores.transpose(-1, -2) @ qs[:, :, rows]
+            if dbias is not None:
+                for dim in (0, 1):  # a bias broadcast over batch or heads gets the summed gradient
+                    if bias.shape[dim] == 1 and dscores.shape[dim] != 1:
+                        dscores = dscores.sum(dim, keepdim=True)
+                dbias[:, :, rows] = dscores
+        dq *= scale
+        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+        return cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None
+
+
+def fused_bias_applies(q: torch.Tensor) -> bool:
+    """The fused forward with a chunked backward pays on CPU when a gradient is wanted (else plain SDPA)."""
+    return q.device.type == "cpu" and torch.is_grad_enabled()
+
+
+def fused_bias_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, *,
+    chunk_size: int = FUSED_BIAS_CHUNK,
+) -> torch.Tensor:
+    """``softmax(q k^T · scale + bias) v`` -> ``[B, H, Q, D]`` (:class:`_AttentionWithBias`), CPU only.
+
+    ``bias``: additive ``[B|1, H|1, Q, K]``, differentiable. The backward recomputes the probabilities
+    ``chunk_size`` query rows at a time. Reference: ``functional.attention_with_bias``.
+    """
+    q, k, v = _unit_stride(q, k, v)
+    return _AttentionWithBias.apply(q, k, v, bias.to(q.dtype).contiguous(), scale, chunk_size)
+
+
+# ----------------------------------------------------------------------------------
+# The band decomposition: Shaw's relative embeddings, saturating per-distance biases
+# ----------------------------------------------------------------------------------
+
+
+def _diagonals(full: torch.Tensor, width: int) -> torch.Tensor:
+    """``[.., c, c+width-1] -> [.., c, width]`` with ``out[.., i, t] = full[.., i, i+t]`` (a block's band).
+
+    Padding every flattened block by ``c`` and reading it back with rows one longer shifts row ``i``
+    left by ``i``: the pad-and-reshape skew of Transformer-XL's relative shift.
+    """
+    c = full.shape[-2]
+    flat = F.pad(full.flatten(-2), (0, c))
+    return flat.view(*full.shape[:-2], c, c + width)[..., :width]
+
+
+def _undiagonals(band: torch.Tensor) -> torch.Tensor:
+    """The inverse placement of :func:`_diagonals`: ``out[.., i, i+t] = band[.., i, t]``, zeros elsewhere."""
+    c, width = band.shape[-2:]
+    flat = F.pad(band, (0, c)).flatten(-2)[..., : c * (c + width - 1)]
+    return flat.view(*band.shape[:-2], c, c + width - 1)
+
+
+class _Band:
+    """Scores and values inside the band ``|j - i| <= reach`` for the query rows ``rows`` (self-attention,
+    ``past_length = 0``).
+
+    Query rows go in blocks of ``block``; each block meets the ``block + 2·reach`` keys its rows can
+    reach in one matmul, and :func:`_diagonals` keeps each row's ``2·reach + 1`` band entries, so the
+    band costs ``O(n·(block + 2·reach)·D)`` with no ``[.., q, k, D]`` tensor. Band slot ``t`` holds key
+    ``j = i - reach + t`` (distance ``t - reach``), which is slot ``t + 1`` of the per-distance tables.
+    ``keys`` (bool ``[B|1, H|1, n]``, True = may attend) masks keys, as padding does.
+    """
+
+    def __init__(self, n: int, reach: int, causal: bool, block: int, device, keys: Optional[torch.Tensor] = None,
+                 rows: Optional[tuple] = None):
+        self.n, self.reach, self.block = n, reach, block
+        self.start, self.stop = rows if rows is not None else (0, n)
+        self.width = 2 * reach + 1
+        t = torch.arange(self.width, device=device)
+        j = torch.arange(self.start, self.stop, device=device)[:, None] - reach + t
+        valid = (j >= 0) & (j < n)
+        if causal:
+            valid &= t <= reach
+        if keys is not None:  # each row's band slots read the key mask through the same sliding window
+            window = F.pad(keys, (reach, reach), value=False).unfold(-1, self.width, 1)
+            valid = valid & window[..., self.start : self.stop, :]
+        self.invalid = ~valid  # [rows, width] or [B|1, H|1, rows, width]
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, n, ..] -> [B, H, rows/block, block, ..]``, the band's rows (zero rows past them)."""
+        x = x[:, :, self.start : self.stop]
+        x = F.pad(x, (0, 0, 0, -x.shape[2] % self.block))
+        return x.view(*x.shape[:2], -1, self.block, x.shape[-1])
+
+    def _key_windows(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, n, D] -> [B, H, rows/block, D, block + 2·reach]``: the keys ``b·block - reach ..`` each
+        block of the band's rows can reach (zero rows outside the sequence), a view of one padded copy."""
+        first = self.start - self.reach  # the key row the first block's window starts at
+        last = self.start + -(-(self.stop - self.start) // self.block) * self.block + self.reach  # one past the end
+        x = x[:, :, max(first, 0) : min(last, self.n)]
+        padded = F.pad(x, (0, 0, max(0, -first), max(0, last - self.n)))
+        return padded.unfold(2, self.block + 2 * self.reach, self.block)
+
+    def scores(self, q, k, rel_k, bias, scale):
+        """``[B, H, rows, 2·reach+1]``: ``(q_i·k_j + q_i·rel_k[d]) · scale + bias[h, d]``, ``-inf`` outside the sequence."""
+        rows = self.stop - self.start
+        full = self._blocks(q) @ self._key_windows(k)
+        band = _diagonals(full, self.width).flatten(2, 3)[:, :, :rows]
+        if rel_k is not None:
+            band = band + q[:, :, self.start : self.stop] @ rel_k[1:-1].transpose(0, 1)
+        band = band * scale
+        if bias is not None:
+            band = band + bias[:, None, 1:-1]
+        return band.masked_fill(self.invalid, float("-inf"))
+
+    def values(self, probs, v, rel_v):
+        """``Σ_t probs[.., i, t] · (v_j + rel_v[d])`` for the band's rows (``probs`` holds only them) -> ``[B, H, rows, D]``."""
+        rows = self.stop - self.start
+        padded = F.pad(probs, (0, 0, 0, -rows % self.block))
+        full = _undiagonals(padded.view(*padded.shape[:2], -1, self.block, padded.shape[-1]))
+        out = (full @ self._key_windows(v).transpose(-1, -2)).flatten(2, 3)[:, :, :rows]
+        if rel_v is not None:
+            out = out + probs @ rel_v[1:-1]
+        return out
+
+
+def _row_chunks(n: int, rows: int):
+    """The passes ``(start, stop)`` of ``rows`` query rows each over ``n`` rows."""
+    return [(start, min(start + rows, n)) for start in range(0, n, rows)]
+
+
+class _BandedAttention(torch.autograd.Function):
+    """Attention whose position terms stop changing beyond a distance, as three parts merged by log-sum-exp.
+
+    The terms are per clipped distance ``d = clamp(j - i, -(reach+1), reach+1)``: a key vector
+    ``rel_k[d]`` (Shaw), a value vector ``rel_v[d]`` (Shaw) and a per-head logit ``bias[h, d]`` (T5's
+    bucketed bias, which saturates at its last bucket). For ``j <= i - (reach+1)`` they are constant:
+    ``q_i·k_j + q_i·rel_k[0] = q_i·(k_j + rel_k[0])``, values ``v_j + rel_v[0]``, and a constant logit
+    ``bias[h, 0]``, which leaves that part's softmax unchanged and adds to its log-sum-exp. So the
+    far-left (and, unless causal, far-right) key range is plain causal attention over shifted keys
+    and values, run by SDPA's fused CPU kernel (the right on the reversed sequence); only the band
+    ``|j - i| <= reach`` is explicit (:class:`_Band`). The parts' outputs merge with weights
+    ``exp(lse_part - lse)``. The backward runs the fused kernel's backward for each far part with the
+    merged output and log-sum-exp (less the part's constant logit), which makes that part's gradient
+    exact; the constant logit's gradient is ``Σ_i mass_i (dO_i·O_part_i - dO_i·O_i)``, the sum of the
+    softmax gradient ``dS = P ⊙ (dP - rowsum(dO ⊙ O))`` over the part, from the part's own output
+    and probability mass. The band is differentiated by recomputing it.
+
+    ``keys`` (bool ``[B|1, H|1, n]`` or None) masks keys (padding): in the band through the band's
+    mask, in the far parts as a ``[B|1, H|1, 1, n]`` mask the fused kernel broadcasts over rows. A
+    row with no key left in a part has that part's log-sum-exp at ``-inf`` (the kernel reports 0);
+    a row with no key at all gives zeros.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, pass_rows):
+        with torch.autocast(q.device.type, enabled=False):  # the band in float32 whatever autocast asks
+            return _BandedAttention._forward(
+                ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, pass_rows
+            )
+
+    @staticmethod
+    def _forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, pass_rows):
+        work = torch.promote_types(q.dtype, torch.float32)
+        cast = lambda t: None if t is None else t.to(work)  # noqa: E731
+        n = q.shape[2]
+        qw, kw, vw, rel_kw, rel_vw, biasw = q.to(work), k.to(work), v.to(work), cast(rel_k), cast(rel_v), cast(bias)
+        out, lse = q.new_empty(*q.shape[:3], v.shape[-1], dtype=work), q.new_empty(q.shape[:3], dtype=work)
+        for start, stop in _row_chunks(n, pass_rows):
+            band = _Band(n, reach, causal, block, q.device, keys, (start, stop))
+            s = band.scores(qw, kw, rel_kw, biasw, scale)
+            rows_lse = torch.logsumexp(s, dim=-1)  # -inf only for a row whose band keys are all masked
+            out[:, :, start:stop] = band.values(torch.exp(s - _finite(rows_lse)[..., None]), vw, rel_vw)
+            lse[:, :, start:stop] = rows_lse
+            del s
+        parts = []
+        for side in _BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal):
+            part_out, part_lse = _flash_cpu(*side["qkv"], 0.0, True, attn_mask=side["mask"], scale=scale)
+            rows = side["rows"]
+            part_out, part_lse = side["unflip"](part_out).to(work), side["unflip"](part_lse) + side["logit"]
+            if side["alive"] is not None:
+                part_lse = part_lse.masked_fill(~side["alive"], float("-inf"))
+            merged = torch.logaddexp(lse[:, :, rows], part_lse)
+            weight = _finite(merged)
+            out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - weight)[..., None] + part_out * torch.exp(
+                part_lse - weight
+            )[..., None]
+            lse[:, :, rows] = merged
+            if bias is not None and ctx.needs_input_grad[5]:
+                parts += [part_out, part_lse]
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, rel_k, rel_v, bias, keys, out, _finite(lse), *parts)
+        ctx.reach, ctx.causal, ctx.scale, ctx.block, ctx.pass_rows = reach, causal, scale, block, pass_rows
+        return out
+
+    @staticmethod
+    def _sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal):
+        """The far-left part (and far-right unless causal) as causal-kernel inputs: rows ``i > reach`` of
+        the (reversed, for the right) sequence attend keys ``j < i - reach``, i.e. the top-left causal
+        pattern of the query rows shifted by ``reach + 1``; ``logit`` is the part's ``[H, 1]`` constant,
+        ``mask`` its additive key mask and ``alive`` its rows that have a key left (None: all)."""
+        n, first = q.shape[2], reach + 1
+        shift = lambda x, table, idx: x if table is None else x + table[idx].to(x.dtype)  # noqa: E731
+        logit = lambda idx: 0.0 if bias is None else bias[:, idx, None].to(torch.promote_types(q.dtype, torch.float32))  # noqa: E731
+        same = lambda t: t  # noqa: E731
+        flip = lambda t: t.flip(2)  # noqa: E731
+        mask = left_alive = right_alive = None
+        if keys is not None:
+            mask = torch.zeros(keys.shape, dtype=q.dtype, device=q.device).masked_fill_(~keys, float("-inf"))
+            mask = mask.unsqueeze(-2)
+            seen = keys.cumsum(-1)  # keys allowed in [0, j]; row i of the left part sees [0, i - first]
+            left_alive = seen[..., : n - first] > 0
+            right_alive = (seen[..., -1:] - seen + keys)[..., first:] > 0  # allowed in [i + first, n)
+        sides = [
+            dict(qkv=(q[:, :, first:], shift(k, rel_k, 0), shift(v, rel_v, 0)), rows=slice(first, n), unflip=same,
+                 index=0, logit=logit(0), mask=mask, alive=left_alive)
+        ]
+        if not causal:
+            sides.append(
+                dict(qkv=(flip(q)[:, :, first:], flip(shift(k, rel_k, -1)), flip(shift(v, rel_v, -1))),
+                     rows=slice(0, n - first), unflip=flip, index=-1, logit=logit(-1),
+                     mask=None if mask is None else mask.flip(-1), alive=right_alive)
+            )
+        return sides
+
+    @staticmethod
+    @once_differentiable  # the fused kernel's backward has no derivative of its own
+    def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _BandedAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
+        q, k, v, rel_k, rel_v, bias, keys, out, lse, *parts = ctx.saved_tensors
+        reach, causal, scale = ctx.reach, ctx.causal, ctx.scale
+        work = torch.promote_types(q.dtype, torch.float32)
+        grad_out = grad_out.contiguous()
+        g = grad_out.to(work)
+        delta = (g * out.to(work)).sum(-1)
+        # The band, differentiated by recomputing it against the merged log-sum-exp: with
+        # P = exp(s - lse) and delta_i = dO_i·O_i, the surrogate Σ dO·(P V') - Σ_i delta_i Σ_t P_it
+        # has d/ds = P ⊙ (dO·v' - delta), the softmax gradient.
+        n = q.shape[2]
+        leaves = [None if t is None else t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k, rel_v, bias)]
+        wanted = [t for t in leaves if t is not None]
+        sums = None
+        for start, stop in _row_chunks(n, ctx.pass_rows):  # a pass at a time keeps the recomputed band's graph small
+            rows = slice(start, stop)
+            with torch.enable_grad():
+                band = _Band(n, reach, causal, ctx.block, q.device, keys, (start, stop))
+                probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], leaves[5], scale) - lse[:, :, rows, None])
+                surrogate = (band.values(probs, leaves[2], leaves[4]) * g[:, :, rows]).sum()
+                surrogate = surrogate - (probs.sum(-1) * delta[:, :, rows]).sum()
+                grads = torch.autograd.grad(surrogate, wanted, allow_unused=True)
+            grads = [torch.zeros_like(t) if d is None else d for d, t in zip(grads, wanted)]
+            sums = grads if sums is None else [a.add_(b) for a, b in zip(sums, grads)]
+        found = iter(sums)
+        dq, dk, dv, drel_k, drel_v, dbias = (None if t is None else next(found) for t in leaves)
+        for number, side in enumerate(_BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal)):
+            rows, flip, first = side["rows"], side["unflip"], reach + 1
+            sq, sk, sv = side["qkv"]
+            kernel_lse = (lse[:, :, rows] - side["logit"]) if bias is not None else lse[:, :, rows]
+            gq, gk, gv = _flash_cpu_backward(
+                flip(grad_out)[:, :, first:], sq, sk, sv, flip(out)[:, :, first:].contiguous(),
+                flip(kernel_lse).to(lse.dtype).contiguous(), 0.0, True, attn_mask=side["mask"], scale=scale,
+            )
+            gq, gk, gv = flip(gq), flip(gk), flip(gv)
+            dq[:, :, rows] += gq
+            dk += gk
+            dv += gv
+            index = side["index"]
+            if drel_k is not None:
+                drel_k[index] += gk.sum((0, 1, 2))
+            if drel_v is not None:
+                drel_v[index] += gv.sum((0, 1, 2))
+            if dbias is not None and parts:
+                part_out, part_lse = parts[2 * number], parts[2 * number + 1]
+                mass = torch.exp(part_lse - lse[:, :, rows])
+                dbias[:, index] += (mass * ((g[:, :, rows] * part_out).sum(-1) - delta[:, :, rows])).sum((0, 2))
+        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+        grads = [cast(d, t) for d, t in zip((dq, dk, dv, drel_k, drel_v, dbias), (q, k, v, rel_k, rel_v, bias))]
+        return (*grads, None, None, None, None, None, None)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp with the ``-inf`` of rows that have no key replaced by 0, so ``exp(s - lse)`` gives 0, not NaN."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _key_mask(attention_mask: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    """A bool mask of keys alone (``[B|1, H|1, 1, n]``, as padding makes) as ``[B|1, H|1, n]``; None otherwise."""
+    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return None
+    if attention_mask.shape[-2] != 1 or attention_mask.shape[-1] != n:
+        return None
+    return attention_mask[..., 0, :]
+
+
+def _banded_applies(q, k, v, reach, attention_mask, past_length, dropout_p, min_length) -> bool:
+    """The band decomposition runs for CPU self-attention without cache or dropout, and without a mask
+    or with one that masks keys alone (padding), when long enough to pay."""
+    n = q.shape[2]
+    return (
+        q.device.type == "cpu"
+        and (attention_mask is None or _key_mask(attention_mask, n) is not None)
+        and _is_zero(past_length)
+        and dropout_p == 0.0
+        and k.shape[2] == n
+        and v.shape[-1] == q.shape[-1]  # the fused kernel needs one head size
+        and q.numel() > 0
+        and n >= max(min_length, reach + 2)  # each far part has a row
+    )
+
+
+def banded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, reach: int, scale: float,
+    rel_k: Optional[torch.Tensor] = None, rel_v: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None, is_causal: bool = False, block: int = BAND_BLOCK,
+    rows: int = BAND_ROWS,
+) -> torch.Tensor:
+    """Self-attention whose position terms are per clipped distance ``d = clamp(j - i, -(reach+1), reach+1)``
+    (:class:`_BandedAttention`) -> ``[B, H, n, D]``.
+
+    ``rel_k``, ``rel_v``: ``[2·reach+3, D]`` per-distance key and value vectors (Shaw), ``bias``: ``[H, 2·reach+3]``
+    per-distance logits, each optional. ``attention_mask``: None or a bool key mask ``[B|1, H|1, 1, n]``.
+    ``block`` query rows per block of the band, ``rows`` per pass over it (a multiple of ``block``).
+    """
+    q, k, v = _unit_stride(q, k, v)
+    keys = _key_mask(attention_mask, q.shape[2])
+    return _BandedAttention.apply(q, k, v, rel_k, rel_v, bias, keys, reach, is_causal, scale, block, rows)
+
+
+def shaw_banded_applies(
+    q, k, v, max_relative_position: int, attention_mask=None, past_length=0, dropout_p: float = 0.0, *,
+    min_length: int = SHAW_BAND_MIN_LENGTH,
+) -> bool:
+    """True where :func:`shaw_banded` computes ``functional.shaw_attention`` (self-attention, ``n >= min_length``)."""
+    return max_relative_position >= 1 and _banded_applies(
+        q, k, v, max_relative_position - 1, attention_mask, past_length, dropout_p, min_length
+    )
+
+
+def shaw_banded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rel_k: torch.Tensor, rel_v: Optional[torch.Tensor], *,
+    max_relative_position: int, attention_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+    block: int = BAND_BLOCK, rows: int = BAND_ROWS,
+) -> torch.Tensor:
+    """Shaw et al.'s attention (``functional.shaw_attention``, ``past_length = 0``) by the band decomposition:
+    far-left and far-right keys in the fused kernel, the band ``|j - i| < k`` explicit -> ``[B, H, n, D]``.
+
+    Reference: ``functional.shaw_attention``; oracles ``shaw_ref``, ``shaw_torch_ref``.
+    """
+    return banded_attention(
+        q, k, v, reach=max_relative_position - 1, scale=1.0 / math.sqrt(q.shape[-1]), rel_k=rel_k, rel_v=rel_v,
+        attention_mask=attention_mask, is_causal=is_causal, block=block, rows=rows,
+    )
+
+
+def saturating_bias_banded_applies(
+    q, k, v, bias, attention_mask=None, is_causal: bool = False, *, min_length: Optional[int] = None
+) -> bool:
+    """True where :func:`saturating_bias_banded` computes ``functional.saturating_bias_attention``; ``min_length``
+    None means :data:`CAUSAL_BIAS_BAND_MIN_LENGTH` or :data:`BIAS_BAND_MIN_LENGTH`."""
+    if min_length is None:
+        min_length = CAUSAL_BIAS_BAND_MIN_LENGTH if is_causal else BIAS_BAND_MIN_LENGTH
+    return _banded_applies(q, k, v, bias.shape[1] // 2 - 1, attention_mask, 0, 0.0, min_length)
+
+
+def saturating_bias_banded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, *,
+    attention_mask: Optional[torch.Tensor] = None, is_causal: bool = False, scale: Optional[float] = None,
+    block: int = BAND_BLOCK, rows: int = BAND_ROWS,
+) -> torch.Tensor:
+    """``softmax(q k^T · scale + bias[h, clamp(j - i, -s, s) + s] + mask) v`` by the band decomposition
+    -> ``[B, H, n, D]``; ``bias``: ``[H, 2s+1]``. Reference: ``functional.saturating_bias_attention``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return banded_attention(
+        q, k, v, reach=bias.shape[1] // 2 - 1, scale=scale, bias=bias, attention_mask=attention_mask,
+        is_causal=is_causal, block=block, rows=rows,
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Transformer-XL in chunks of query rows
+# ----------------------------------------------------------------------------------
+
+
+def _rel_unshift(grad: torch.Tensor, width: int) -> torch.Tensor:
+    """The adjoint of ``_rel_shift(x, K)`` for an ``x`` of ``width`` columns: ``[.., Q, K] -> [.., Q, width]``.
+
+    The original code's pad-and-reshape run backwards: ``grad`` padded to ``width`` columns, laid
+    out flat after ``Q`` zeros and read as rows of ``width + 1`` without their first column.
+    Wrapped-around entries (``t >= width``) must carry zero gradient (they are masked).
+    """
+    *lead, Q, K = grad.shape
+    flat = grad.new_empty(*lead, Q * (width + 1))
+    flat[..., :Q] = 0
+    rows = flat[..., Q:].view(*lead, Q, width)
+    rows[..., K:] = 0
+    rows[..., :K] = grad
+    return flat.view(*lead, Q, width + 1)[..., 1:]
+
+
+def _fused_attention(q, k, v, mask):
+    """``softmax(q k^T + mask) v`` in the fused kernel (``q`` pre-scaled; a row with every key at -inf gives zeros)."""
+    if q.device.type == "cpu":
+        return _flash_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=1.0)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+
+
+class _TransformerXLAttention(torch.autograd.Function):
+    """Transformer-XL attention in chunks of query rows, with its own backward.
+
+    For the rows ``a .. a+c`` of a chunk, the position scores ``(q_i + w)·r[d]`` need only the
+    ``r`` rows the chunk's distances reach: one ``[c, K_c + c - 1]`` matmul read through the
+    relative shift (a strided view, no copy). They ride as the additive mask of the fused kernel
+    for ``q + u`` against the keys (with causality, only the ``K_c = M + a + c`` keys the chunk
+    can see). The backward recomputes each chunk's probabilities and forms
+    ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))``; ``dS`` shifted back (:func:`_rel_unshift`) gives the
+    gradients of ``q + w`` and ``r``. No ``[B, H, Q, K]`` tensor is kept or formed: memory
+    ``O(B·H·c·K)`` beyond the inputs. The scale is folded into ``q + u`` and ``q + w``.
+    """
+
+    @staticmethod
+    def _chunk(q, k, r, u, w, user_mask, causal, scale, start, stop):
+        """The chunk's scaled ``q + u`` and ``q + w``, keys kept, ``r`` window and position scores + mask."""
+        Q, K, R = q.shape[2], k.shape[2], r.shape[1]
+        c, M = stop - start, K - Q
+        keys = M + stop if causal else K
+        first = Q - stop  # the r column the chunk's last row reads at key 0, less the c-1 rows of shift
+        width = min(keys + c - 1, R - first)
+        qu = (q[:, :, start:stop] + u[:, None, :]) * scale
+        qw = (q[:, :, start:stop] + w[:, None, :]) * scale
+        r_window = r[:, first:first + width]
+        bias = _rel_shift(qw @ r_window.transpose(-1, -2), keys)
+        if user_mask is not None:
+            bias = bias + user_mask[..., start:stop, :keys]
+        if causal and c > 1:  # also hides the shift's wrapped-around entries (a lone last row has none)
+            bias = bias.masked_fill(~_causal_pattern(c, keys, M + start, q.device), float("-inf"))
+        return qu, qw, keys, first, width, bias
+
+    @staticmethod
+    def forward(ctx, q, k, v, r, u, w, user_mask, causal, scale, chunk):
+        B, H, Q, D = q.shape
+        ctx.dtypes = (r.dtype, u.dtype, w.dtype)
+        ctx.mask_shape = None if user_mask is None else (user_mask.shape, user_mask.dtype)
+        r, u, w = r.to(q.dtype), u.to(q.dtype), w.to(q.dtype)
+        if user_mask is not None:
+            user_mask = user_mask.to(q.dtype).expand(B, H, Q, k.shape[2])
+        out = q.new_empty(B, H, Q, v.shape[-1])
+        for start in range(0, Q, chunk):
+            stop = min(start + chunk, Q)
+            qu, _, keys, _, _, bias = _TransformerXLAttention._chunk(q, k, r, u, w, user_mask, causal, scale, start, stop)
+            out[:, :, start:stop] = _fused_attention(qu, k[:, :, :keys], v[:, :, :keys], bias)
+        ctx.save_for_backward(q, k, v, r, u, w, user_mask, out)
+        ctx.causal, ctx.scale, ctx.chunk = causal, scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, r, u, w, user_mask, out = ctx.saved_tensors
+        dtypes = (q.dtype, k.dtype, v.dtype, *ctx.dtypes)
+        causal, scale = ctx.causal, ctx.scale
+        work = torch.promote_types(q.dtype, torch.float32)
+        q, k, v, r, u, w, out, g_all = (t.to(work) for t in (q, k, v, r, u, w, out, grad_out))
+        if user_mask is not None:
+            user_mask = user_mask.to(work)
+        delta = (g_all * out).sum(-1, keepdim=True)
+        dq, dk, dv, dr = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(r)
+        du, dw = torch.zeros_like(u), torch.zeros_like(w)
+        # A float mask that requires grad (rare) gets dS, the gradient of the scores it is added to.
+        dmask = torch.zeros(user_mask.shape, dtype=work, device=q.device) if ctx.needs_input_grad[6] else None
+        for start in range(0, q.shape[2], ctx.chunk):
+            stop = min(start + ctx.chunk, q.shape[2])
+            qu, qw, keys, first, width, bias = _TransformerXLAttention._chunk(
+                q, k, r, u, w, user_mask, causal, scale, start, stop
+            )
+            kc, vc, g = k[:, :, :keys], v[:, :, :keys], g_all[:, :, start:stop]
+            probs = torch.softmax((qu @ kc.transpose(-1, -2)).add_(bias), dim=-1)
+            if user_mask is not None:  # a row with every key masked: zeros (causality always leaves one)
+                probs.nan_to_num_(0.0)
+            dv[:, :, :keys] += probs.transpose(-1, -2) @ g
+            dscores = (g @ vc.transpose(-1, -2)).sub_(delta[:, :, start:stop]).mul_(probs)
+            del probs
+            dk[:, :, :keys] += dscores.transpose(-1, -2) @ qu
+            if dmask is not None:
+                dmask[:, :, start:stop, :keys] = dscores
+            dposition = _rel_unshift(dscores, width)
+            dr[:, first:first + width] += (dposition.transpose(-1, -2) @ qw).sum(0)
+            dqu, dqw = (dscores @ kc).mul_(scale), (dposition @ r[:, first:first + width]).mul_(scale)
+            dq[:, :, start:stop] = dqu + dqw
+            du += dqu.sum((0, 2))
+            dw += dqw.sum((0, 2))
+        grads = [t.to(dtype) for t, dtype in zip((dq, dk, dv, dr, du, dw), dtypes)]
+        if dmask is not None:
+            shape, dtype = ctx.mask_shape
+            dmask = dmask.sum_to_size(shape).to(dtype)
+        return (*grads, dmask, None, None, None)
+
+
+def txl_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor, u: torch.Tensor, w: torch.Tensor, *,
+    attention_mask: Optional[torch.Tensor] = None, is_causal: bool = True, chunk: int = TXL_CHUNK,
+) -> torch.Tensor:
+    """Transformer-XL attention (``functional.transformer_xl_attention`` without dropout or weights) ``chunk``
+    query rows at a time (:class:`_TransformerXLAttention`) -> ``[B, H, Q, D]``; needs ``B·H·Q > 0``.
+
+    Reference: ``functional.transformer_xl_attention``; oracles ``txl_ref``, ``txl_torch_ref``.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    user_mask = _additive_mask(attention_mask, None)
+    q, k, v = _unit_stride(q, k, v)
+    return _TransformerXLAttention.apply(q, k, v, r, u, w, user_mask, is_causal, scale, chunk)
+
+
+# ----------------------------------------------------------------------------------
+# Causal attention with a bias per key (causal ALiBi)
+# ----------------------------------------------------------------------------------
+
+
+class _CausalKeyBiasAttention(torch.autograd.Function):
+    """Causal attention with a per-key bias in the fused CPU kernel, ``chunk`` query rows at a time.
+
+    Rows ``a .. b-1`` meet the keys before ``a`` (all visible) and their own square block (causal) in
+    two kernel calls merged by log-sum-exp. Each chunk measures the bias from its last row,
+    ``key_bias[j] - key_bias[b-1]`` (formed in the key bias's own precision, float64 from the model),
+    so the values the kernel adds stay within ``|key_bias[b-1-chunk] - key_bias[b-1]|`` for the keys that
+    matter, whatever the length: the kernel's rounding of the logits stays ``eps`` times that. The
+    backward runs the kernel's backward for each part with the merged output and log-sum-exp.
+    ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with no key left gives zeros.
+    """
+
+    @staticmethod
+    def _parts(q, k, v, key_bias, keys, start, stop):
+        """The chunk's (keys slice, causal, additive mask, alive rows or None) for the prefix and its own block."""
+        rel = (key_bias[:, :stop] - key_bias[:, stop - 1 : stop]).to(q.dtype)[None, :, None, :]  # [1, H, 1, stop]
+        if keys is not None:  # -inf (not finfo.min): the kernel then gives a row with no key zeros
+            rel = rel.masked_fill(~keys[..., None, :stop], float("-inf"))
+            seen = keys[..., :stop].cumsum(-1)
+        parts = [(slice(start, stop), True, rel[..., start:stop],
+                  None if keys is None else (seen[..., start:stop] - seen[..., start - 1 : start] if start else
+                                             seen[..., start:stop]) > 0)]
+        if start:
+            alive = None if keys is None else (seen[..., start - 1 : start] > 0).expand(*seen.shape[:-1], stop - start)
+            parts.append((slice(0, start), False, rel[..., :start], alive))
+        return parts
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_bias, keys, scale, chunk):
+        work = torch.promote_types(q.dtype, torch.float32)
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work)
+        for start in range(0, q.shape[2], chunk):
+            stop = min(start + chunk, q.shape[2])
+            acc = acc_lse = None
+            for cols, causal, mask, alive in _CausalKeyBiasAttention._parts(q, k, v, key_bias, keys, start, stop):
+                part, part_lse = _flash_cpu(q[:, :, start:stop], k[:, :, cols], v[:, :, cols], 0.0, causal,
+                                            attn_mask=mask, scale=scale)
+                part, part_lse = part.to(work), part_lse.to(work)
+                if alive is not None:
+                    part_lse = part_lse.masked_fill(~alive, float("-inf"))
+                if acc is None:
+                    acc, acc_lse = part, part_lse
+                    continue
+                merged = torch.logaddexp(acc_lse, part_lse)
+                weight = _finite(merged)
+                acc = acc * torch.exp(acc_lse - weight)[..., None] + part * torch.exp(part_lse - weight)[..., None]
+                acc_lse = merged
+            out[:, :, start:stop], lse[:, :, start:stop] = acc, _finite(acc_lse)
+        ctx.save_for_backward(q, k, v, key_bias, keys, out, lse)
+        ctx.scale, ctx.chunk = scale, chunk
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, key_bias, keys, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for start in range(0, q.shape[2], ctx.chunk):
+            stop = min(start + ctx.chunk, q.shape[2])
+            rows = slice(start, stop)
+            for cols, causal, mask, _ in _CausalKeyBiasAttention._parts(q, k, v, key_bias, keys, start, stop):
+                gq, gk, gv = _flash_cpu_backward(
+                    grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows].contiguous(),
+                    lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=mask, scale=ctx.scale,
+                )
+                dq[:, :, rows] += gq
+                dk[:, :, cols] += gk
+                dv[:, :, cols] += gv
+        return dq, dk, dv, None, None, None, None
+
+
+def causal_key_bias_applies(q, k, v, key_bias, attention_mask=None) -> bool:
+    """True where :func:`causal_key_bias` computes ``functional.causal_key_bias_attention``: CPU, float32/64,
+    no mask or a key mask, one head size, a key bias that needs no gradient."""
+    B, H, n, D = q.shape
+    return (
+        q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
+        and v.shape[-1] == D  # the fused kernel needs one head size
+        and (attention_mask is None or _key_mask(attention_mask, n) is not None)
+        # the kernel gives no gradient for its mask: a trained key bias takes the exact form
+        and not (key_bias.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def causal_key_bias(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor, *,
+    attention_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None, chunk: int = KEY_BIAS_CHUNK,
+) -> torch.Tensor:
+    """``softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v`` -> ``[B, H, n, D]`` in the fused kernel,
+    ``chunk`` query rows per call (:class:`_CausalKeyBiasAttention`); the logits round at about
+    ``eps · |key_bias[h, i] - key_bias[h, i - chunk]|``. Reference: ``functional.causal_key_bias_attention``."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    keys = _key_mask(attention_mask, q.shape[2])
+    q, k, v = _unit_stride(q, k, v)
+    return _CausalKeyBiasAttention.apply(q, k, v, key_bias, keys, scale, chunk)
+
+
+# ----------------------------------------------------------------------------------
+# FIRE's MLP over blocks of query rows
+# ----------------------------------------------------------------------------------
+
+
+def _fire_mlp(x, w1, b1, w2, b2):
+    return F.linear(F.relu(F.linear(x[..., None], w1, b1)), w2, b2)
+
+
+def fire_mlp(
+    x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, *,
+    elements: int = FIRE_ELEMENTS,
+) -> torch.Tensor:
+    """FIRE's ``f(x) = w2·relu(w1·x + b1) + b2`` for each entry of ``x`` ``[B|1, Q, K]`` -> ``[B|1, Q, K, H]``.
+
+    Blocks of query rows whose ``[rows, K, width]`` hidden layer holds about ``elements`` numbers, each
+    recomputed in backward (checkpointed) when a gradient is needed. Reference: ``functional.fire_bias``.
+    """
+    key_length, width, heads = x.shape[-1], w1.shape[0], w2.shape[0]
+    rows = max(1, elements // max(1, key_length * width))
+    checkpoint = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, b1, w2, b2))
+    blocks = []
+    for start in range(0, x.shape[1], rows):
+        part = x[:, start : start + rows]
+        if checkpoint:  # keep only x for backward, not the hidden layer
+            blocks.append(torch.utils.checkpoint.checkpoint(_fire_mlp, part, w1, b1, w2, b2, use_reentrant=False))
+        else:
+            blocks.append(_fire_mlp(part, w1, b1, w2, b2))
+    return torch.cat(blocks, dim=1) if blocks else x.new_zeros(x.shape[0], 0, key_length, heads)
