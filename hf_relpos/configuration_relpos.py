@@ -7,6 +7,8 @@ import math
 
 from transformers import PreTrainedConfig
 
+from .functional import t5_exact_buckets
+
 POSITION_ENCODINGS = (
     "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
 )
@@ -202,16 +204,16 @@ class RelPosConfig(PreTrainedConfig):
             )
         # T5 buckets: each direction needs one exact bucket and room for log-spaced ones.
         bidirectional = not self.is_decoder or self.is_encoder_decoder  # an encoder-decoder's encoder
-        one_side = self.relative_attention_num_buckets // (2 if bidirectional else 1)
-        if one_side // 2 < 1:
+        max_exact = t5_exact_buckets(bidirectional, self.relative_attention_num_buckets)
+        if max_exact < 1:
             raise ValueError(
                 "RelPosConfig.relative_attention_num_buckets must be >= 4 for a bidirectional model "
                 f"(is_decoder=False or is_encoder_decoder=True), got {self.relative_attention_num_buckets}"
             )
         max_distance = self.relative_attention_max_distance
-        if not _is_int(max_distance) or max_distance <= one_side // 2:
+        if not _is_int(max_distance) or max_distance <= max_exact:
             raise ValueError(
-                f"RelPosConfig.relative_attention_max_distance must be an int > {one_side // 2} (the exact-bucket "
+                f"RelPosConfig.relative_attention_max_distance must be an int > {max_exact} (the exact-bucket "
                 f"region of {self.relative_attention_num_buckets} buckets), got {max_distance!r}"
             )
         if self.mem_len > 0 and self.position_encoding != "transformer_xl":

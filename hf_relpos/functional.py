@@ -51,6 +51,7 @@ __all__ = [
     "attention_with_bias",
     "t5_relative_position_bucket",
     "t5_position_bias",
+    "t5_exact_buckets",
     "t5_saturation_distance",
     "t5_bias_by_distance",
     "saturating_bias_attention",
@@ -224,11 +225,17 @@ def attention_with_bias(
 # ----------------------------------------------------------------------------------
 
 
+def t5_exact_buckets(bidirectional: bool, num_buckets: int) -> int:
+    """How many of a direction's T5 buckets hold one exact distance each (``0 .. max_exact - 1``): half of
+    its buckets, a direction having all ``num_buckets`` (causal) or half of them (bidirectional). T5 needs at
+    least one, and ``max_distance > max_exact`` to leave room for the log-spaced buckets."""
+    return (num_buckets // 2 if bidirectional else num_buckets) // 2
+
+
 def _check_t5_buckets(bidirectional: bool, num_buckets, max_distance, buckets_name: str = "num_buckets") -> None:
     _check_int(buckets_name, num_buckets, 0)
     _check_int("max_distance", max_distance, 0)
-    one_side = num_buckets // 2 if bidirectional else num_buckets
-    max_exact = one_side // 2
+    max_exact = t5_exact_buckets(bidirectional, num_buckets)
     if max_exact < 1:
         need = 4 if bidirectional else 2
         raise ValueError(
