@@ -23,3 +23,27 @@ else:
     for _p in (_ROOT, _TESTS):
         if _p not in sys.path:
             sys.path.insert(0, _p)
+
+# Shared fixtures over the builders of tiny.py (imported here, after sys.path holds the tests folder).
+import pytest  # noqa: E402
+import tiny  # noqa: E402
+
+from hf_relpos import POSITION_ENCODINGS  # noqa: E402
+
+
+@pytest.fixture
+def tiny_config():
+    """``tiny_config(scheme, preset="default", **overrides)``: a tiny RelPosConfig (presets in tiny.PRESETS)."""
+    return tiny.tiny_config
+
+
+@pytest.fixture
+def make_model():
+    """``make_model(cls, scheme, impl=None, seed=0, preset="default", **overrides)``: a tiny model in eval mode."""
+    return tiny.make_model
+
+
+@pytest.fixture(params=POSITION_ENCODINGS)
+def scheme(request):
+    """Every position encoding, one test per scheme (a test's own ``parametrize("scheme", ...)`` overrides it)."""
+    return request.param

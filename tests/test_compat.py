@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import make_model
 from transformers import DynamicCache, EncoderDecoderCache
 
 import hf_relpos
@@ -32,14 +33,8 @@ VOCAB = 61
 
 
 def tiny(scheme: str, cls=RelPosForCausalLM, seed: int = 0, **overrides):
-    config = RelPosConfig(
-        position_encoding=scheme, vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-        intermediate_size=64, max_position_embeddings=64, relative_attention_num_buckets=8,
-        relative_attention_max_distance=16, max_relative_position=3, initializer_range=0.3, pad_token_id=0,
-        bos_token_id=None, eos_token_id=None, **overrides,
-    )
-    torch.manual_seed(seed)
-    return cls(config).eval()
+    """The "modeling" preset of tiny.py (vocab 61)."""
+    return make_model(cls, scheme, seed=seed, preset="modeling", **overrides)
 
 
 def ids(batch=2, length=9, seed=1):
@@ -47,13 +42,9 @@ def ids(batch=2, length=9, seed=1):
 
 
 def seq2seq(scheme="t5_bias"):
-    config = RelPosConfig(
-        position_encoding=scheme, is_encoder_decoder=True, vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
-        num_hidden_layers=2, intermediate_size=64, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        max_relative_position=3, initializer_range=0.3, pad_token_id=0, eos_token_id=None, decoder_start_token_id=0,
-    )
-    torch.manual_seed(0)
-    return hf_relpos.RelPosForConditionalGeneration(config).eval()
+    """The "seq2seq" preset of tiny.py with the decoder depth and the position table at their defaults."""
+    return make_model(hf_relpos.RelPosForConditionalGeneration, scheme, preset="seq2seq", num_decoder_layers=None,
+                      max_position_embeddings=RelPosConfig.max_position_embeddings)
 
 
 # ---------------------------------------------------------------------------

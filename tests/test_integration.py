@@ -31,6 +31,7 @@ from hf_relpos import (
     RelPosModel,
 )
 from tiny import checkpointing_argument, enable_checkpointing, is_checkpointing
+from tiny import make_model as shared_make_model
 from tiny import tiny_config as shared_tiny_config
 from transformers import (
     AutoConfig,
@@ -64,9 +65,7 @@ def tiny_config(position_encoding="t5_bias", **overrides) -> RelPosConfig:
 
 
 def make_model(cls, position_encoding="t5_bias", seed=0, **overrides):
-    torch.manual_seed(seed)
-    model = cls(tiny_config(position_encoding, **overrides))
-    return model.eval()
+    return shared_make_model(cls, position_encoding, seed=seed, **{"vocab_size": VOCAB, **overrides})
 
 
 def sample_inputs(seed=1, batch=2, length=7, left_pad=2):

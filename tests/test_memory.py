@@ -4,21 +4,17 @@ import math
 
 import pytest
 import torch
+from tiny import tiny_config
 from transformers import TrainingArguments
 
-from hf_relpos import RelPosConfig, RelPosForCausalLM
+from hf_relpos import RelPosForCausalLM
 from hf_relpos.memory import MemoryTrainer, OrderedSegments, mems_file, segment_perplexity
 
 SEG = 8
 
 
 def txl_config(mem_len, **kw):
-    base = dict(
-        position_encoding="transformer_xl", mem_len=mem_len, hidden_size=32, num_attention_heads=4,
-        intermediate_size=64, num_hidden_layers=2, vocab_size=24,
-    )
-    base.update(kw)
-    return RelPosConfig(**base)
+    return tiny_config("transformer_xl", preset="memory", mem_len=mem_len, **kw)
 
 
 def copy_stream(n_blocks=400, block=SEG, seed=0):

@@ -35,6 +35,7 @@ from hf_relpos import (
     RelPosForSequenceClassification,
     RelPosModel,
 )
+from tiny import make_model
 from tiny import tiny_config as shared_tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -70,11 +71,7 @@ def tiny_config(position_encoding: str, **overrides) -> RelPosConfig:
 
 
 def make(cls, position_encoding: str, impl: str = "sdpa", seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    model = cls(tiny_config(position_encoding, **overrides))
-    model.set_attn_implementation(impl)
-    assert model.config._attn_implementation == impl
-    return model.eval()
+    return make_model(cls, position_encoding, impl, seed, **{"vocab_size": VOCAB, "pad_token_id": PAD, **overrides})
 
 
 def padded_batch():

@@ -19,26 +19,18 @@ from hf_relpos import RelPosConfig, RelPosForConditionalGeneration
 from hf_relpos.configuration_relpos import CAUSAL_ONLY, POSITION_ENCODINGS
 from hf_relpos.t5_conversion import T5_KINDS, random_t5, t5_parity
 from hf_relpos_cli import main as cli_main
-from tiny import enable_checkpointing
+from tiny import enable_checkpointing, make_model, tiny_config
 
 VOCAB = 61
 SEQ2SEQ_SCHEMES = [p for p in POSITION_ENCODINGS if p not in CAUSAL_ONLY]
 
 
 def seq2seq_config(scheme="t5_bias", **overrides) -> RelPosConfig:
-    kwargs = dict(
-        position_encoding=scheme, is_encoder_decoder=True, vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
-        num_hidden_layers=2, num_decoder_layers=3, intermediate_size=64, max_position_embeddings=64,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, max_relative_position=3,
-        initializer_range=0.3, pad_token_id=0, eos_token_id=None, decoder_start_token_id=0,
-    )
-    kwargs.update(overrides)
-    return RelPosConfig(**kwargs)
+    return tiny_config(scheme, preset="seq2seq", **overrides)
 
 
 def model_for(scheme="t5_bias", seed=0, **overrides) -> RelPosForConditionalGeneration:
-    torch.manual_seed(seed)
-    return RelPosForConditionalGeneration(seq2seq_config(scheme, **overrides)).eval()
+    return make_model(RelPosForConditionalGeneration, scheme, seed=seed, preset="seq2seq", **overrides)
 
 
 def padded_source(batch=3, length=11, seed=1):

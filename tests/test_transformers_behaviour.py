@@ -1,7 +1,7 @@
 """Behaviour Transformers defines for every model: output flags, loss kwargs, packed sequences, config fields.
 
 Each test states the upstream behaviour it checks; the attention-weight oracle is the float64
-``reference_forward`` of test_modeling.py (written from the formulas, not from the model's code).
+``reference_forward`` of test_position_schemes.py (written from the formulas, not from the model's code).
 """
 
 import copy
@@ -11,7 +11,8 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from test_modeling import (
+from test_position_schemes import reference_forward
+from tiny import (
     ENCODINGS,
     IMPLS,
     VOCAB,
@@ -20,7 +21,6 @@ from test_modeling import (
     greedy,
     padding_mask,
     rand_ids,
-    reference_forward,
 )
 
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, DynamicCache
