@@ -75,6 +75,10 @@ DRIVER = textwrap.dedent("""
     import json, os, subprocess, sys
     steps = json.load(open(sys.argv[1], encoding="utf-8"))
     namespace = {"__name__": "__main__"}
+    if os.environ.get("HF_RELPOS_TEST_INSTALLED"):  # make compat: the pages must see the installed wheel
+        import hf_relpos
+        if os.path.abspath(hf_relpos.__file__).startswith(os.environ["HF_RELPOS_DOCS_CHECKOUT"] + os.sep):
+            sys.exit(f"HF_RELPOS_TEST_INSTALLED is set but the pages import the checkout: {hf_relpos.__file__}")
     for kind, page, line, code in steps:
         print(f"--- {page}:{line} ({kind})", flush=True)
         if kind == "python":
@@ -112,7 +116,8 @@ def test_page_runs_as_written(path):
              for lang, line, code, skip in blocks(path) if lang in RUN and skip is None]
     bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), MPLBACKEND="Agg",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               HF_RELPOS_DOCS_CHECKOUT=str(ROOT))
     env.pop("PYTHONPATH", None)  # the page sees hf_relpos as a user does: the installed one
     with tempfile.TemporaryDirectory(prefix="hf-relpos-docs-") as work:
         Path(work, "steps.json").write_text(json.dumps(steps), encoding="utf-8")
