@@ -397,7 +397,7 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     lines = table.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| scheme"))
     columns = [c.strip() for c in lines[header].strip("|").split("|")]
-    assert columns == ["scheme", "position params", "train PPL (L)", "2x PPL", "4x PPL", "8x PPL"], columns
+    assert columns == ["scheme", "position params", "held-out PPL at L", "2x PPL", "4x PPL", "8x PPL"], columns
     body = []
     for line in lines[header + 2 :]:
         if not line.startswith("|"):

@@ -180,7 +180,8 @@ def _mean_cell(row: dict, key: str) -> str:
 
 
 def render_table(rows, seq_len, meta) -> str:
-    """compare.md: one row per scheme, perplexity on the test split at each length (mean ± std over seeds)."""
+    """compare.md: one row per scheme, perplexity on the test split at each length (mean ± std over seeds); the
+    column at L is that held-out perplexity at the training length (each run's ``test_ppl``), not a training loss."""
     factors = meta.get("factors", [1, 2, 4])
     seeds = meta.get("seeds", [meta.get("seed", 0)])
     lines = []
@@ -191,7 +192,7 @@ def render_table(rows, seq_len, meta) -> str:
         f"trained at L={seq_len}, evaluated at " + ", ".join(f"{f}L" for f in factors)
         + f" ({meta.get('evaluation', 'non-overlapping segments')}).",
         "",
-        "| scheme | position params | " + " | ".join("train PPL (L)" if f == 1 else f"{f}x PPL" for f in factors) + " |",
+        "| scheme | position params | " + " | ".join("held-out PPL at L" if f == 1 else f"{f}x PPL" for f in factors) + " |",
         "| --- | ---: | " + " | ".join("---:" for _ in factors) + " |",
     ]
     for row in rows:
