@@ -3,7 +3,8 @@
 This module lives beside the ``hf_relpos`` package, not in it, and imports neither torch nor
 Transformers: ``import hf_relpos`` registers the models with Transformers' Auto classes (the
 package's contract), which costs seconds, and ``--help``, ``--version`` and argument errors should
-answer at once. The commands themselves run in :mod:`hf_relpos.cli`, imported after parsing.
+answer at once. The commands themselves live in :mod:`hf_relpos.commands` (one module per command
+family), imported after parsing through :data:`COMMANDS`; nothing there imports this module.
 
 Exit status: 0 on success; 2 for a user error, printed as one line
 ``hf-relpos <command>: error: <what was given, what is allowed>`` (a traceback only with ``--debug``
@@ -23,28 +24,26 @@ import os
 import sys
 from typing import Optional
 
-# hf_relpos.POSITION_ENCODINGS, restated so that parsing needs no torch (tests/test_cli.py keeps them equal).
+# hf_relpos.POSITION_ENCODINGS and the preset names of hf_relpos.commands.train.PRESETS, restated so that parsing
+# needs no torch (tests/test_cli_safety.py keeps them equal).
 SCHEMES = (
     "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
 )
-PRESETS = {
-    "tiny": dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, intermediate_size=512),
-    "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
-}
+PRESET_NAMES = ("small", "tiny")
 INSPECT_PROMPT = "The for statement is used to iterate over the elements of a sequence."
 MIN_VOCAB = 259  # the byte-level BPE's 256 byte tokens and its 3 special tokens (hf_relpos.data.SPECIAL_TOKENS)
 
-
-class UserError(Exception):
-    """A mistake in what the user asked for: printed as one line, exit status 2."""
-
-
-class Interrupted(Exception):
-    """Ctrl-C: the work so far is saved; ``resume`` is the command that continues it."""
-
-    def __init__(self, message: str, resume: str):
-        super().__init__(message)
-        self.resume = resume
+# What each command runs: "module:function", imported only once the command line has parsed. Each function takes
+# the parsed namespace and returns the exit status (None: 0).
+COMMANDS = {
+    "train": "hf_relpos.commands.train:train_command",
+    "eval": "hf_relpos.commands.train:eval_command",
+    "generate": "hf_relpos.commands.generate:generate_command",
+    "validate-t5": "hf_relpos.commands.t5:validate_t5_command",
+    "convert-t5": "hf_relpos.commands.t5:convert_t5_command",
+    "compare": "hf_relpos.commands.compare:compare_command",
+    "inspect": "hf_relpos.commands.inspect:inspect_command",
+}
 
 
 def _number(kind, minimum, strict: bool):
@@ -111,7 +110,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _add_training_arguments(p, steps: int, seq_len: int) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size")
+    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size")
     p.add_argument("--seq-len", type=positive_int, default=seq_len, help="training sequence length L (tokens)")
     p.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps")
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per optimizer step")
@@ -202,10 +201,26 @@ def main(argv: Optional[list] = None) -> int:
     debug = args.debug or os.environ.get("HF_RELPOS_DEBUG", "") not in ("", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        from hf_relpos import cli
+        return _run(args, debug)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"hf-relpos {args.command}: interrupted", file=sys.stderr)
+        return 130
 
-        with cli.library_output_off():
-            return cli.COMMANDS[args.command](args) or 0
+
+def _run(args, debug: bool) -> int:
+    """The command's function, imported now (torch and Transformers with it); its user errors as one line."""
+    import importlib
+
+    from hf_relpos.commands.common import library_output_off
+    from hf_relpos.commands.errors import Interrupted, UserError
+
+    module, _, function = COMMANDS[args.command].partition(":")
+    try:
+        command = getattr(importlib.import_module(module), function)
+        with library_output_off():
+            return command(args) or 0
     except UserError as error:
         if debug:
             raise
@@ -213,11 +228,6 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     except Interrupted as stop:
         print(f"hf-relpos {args.command}: {stop} Resume with: {stop.resume}", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(f"hf-relpos {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

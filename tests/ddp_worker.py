@@ -40,7 +40,7 @@ if ROOT not in sys.path:
 from transformers import Trainer, TrainingArguments, set_seed  # noqa: E402
 
 from hf_relpos import RelPosConfig, RelPosForCausalLM  # noqa: E402
-from hf_relpos.cli import PRESETS  # noqa: E402
+from hf_relpos.commands.train import PRESETS  # noqa: E402
 from hf_relpos.memory import MemoryTrainer, OrderedSegments, mems_file  # noqa: E402
 
 VOCAB = 64

@@ -1,7 +1,7 @@
 """Tests of the ``hf-relpos`` command line: train, generate, eval, validate-t5, compare.
 
 Every run is tiny (preset ``tiny``, a few steps, L = 16 or 32, a 300-token BPE) and in-process
-(``hf_relpos.cli.main``) so that the whole file stays well under a minute and a half on two CPU
+(``hf_relpos_cli.main``) so that the whole file stays well under a minute and a half on two CPU
 cores. Nothing is downloaded: the corpus is Python's bundled documentation and every output lives
 under pytest's temporary folders.
 """
@@ -27,7 +27,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_relpos
 import hf_relpos.functional
-from hf_relpos import cli
+import hf_relpos.commands.compare
+import hf_relpos_cli
+from hf_relpos.commands.common import RUN_FILE
+from hf_relpos.commands.model_card import BIBTEX
+from hf_relpos.commands.train import PRESETS
 from hf_relpos.data import embedded_corpus, encode
 from hf_relpos.memory import segment_perplexity
 
@@ -56,7 +60,7 @@ def tiny_args(scheme, folder, *, seq_len, steps, eval_tokens, extra=()):
 def train_folder(tmp_path_factory, scheme) -> Path:
     seq_len, steps, eval_tokens = SETTINGS[scheme]
     folder = tmp_path_factory.mktemp(f"cli-{scheme}") / scheme
-    assert cli.main(tiny_args(scheme, folder, seq_len=seq_len, steps=steps, eval_tokens=eval_tokens)) == 0
+    assert hf_relpos_cli.main(tiny_args(scheme, folder, seq_len=seq_len, steps=steps, eval_tokens=eval_tokens)) == 0
     return folder
 
 
@@ -76,7 +80,7 @@ def txl_folder(tmp_path_factory):
 
 
 def read_run(folder: Path) -> dict:
-    return json.loads((folder / cli.RUN_FILE).read_text())
+    return json.loads((folder / RUN_FILE).read_text())
 
 
 def front_matter(card: str) -> dict:
@@ -146,7 +150,7 @@ def test_train_writes_hub_ready_folder(scheme, request):
     assert [m["value"] for m in metrics[:3]] == [round(run["test_ppl_by_length"][str(f * seq_len)], 4) for f in (1, 2, 4)]
     assert all(m["type"] == "perplexity" for m in metrics)
     assert f"Command: `{run['command']}`" in card and run["command"].startswith("hf-relpos train ")
-    assert "```bibtex" in card and cli.BIBTEX[scheme] in card
+    assert "```bibtex" in card and BIBTEX[scheme] in card
     assert str(folder.parent) not in card.replace(run["command"], "")  # no local paths beyond the command given
     assert f"| steps × batch | {steps} × 4," in card
     assert f"{run['train_tokens']:,}" in card and f"{run['parameters']:,} parameters" in card
@@ -176,7 +180,7 @@ def test_train_writes_hub_ready_folder(scheme, request):
 def test_train_resume_continues_from_last_checkpoint(scheme, seq_len, tmp_path, monkeypatch):
     folder = tmp_path / "model"
     settings = dict(seq_len=seq_len, eval_tokens=200)
-    assert cli.main(tiny_args(scheme, folder, steps=4, **settings)) == 0
+    assert hf_relpos_cli.main(tiny_args(scheme, folder, steps=4, **settings)) == 0
     checkpoints = tmp_path / "model-checkpoints"
     assert "checkpoint-4" in {p.name for p in checkpoints.iterdir()}
 
@@ -191,7 +195,7 @@ def test_train_resume_continues_from_last_checkpoint(scheme, seq_len, tmp_path, 
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(transformers.Trainer, "training_step", spy)
-    assert cli.main(tiny_args(scheme, folder, steps=8, extra=["--resume"], **settings)) == 0
+    assert hf_relpos_cli.main(tiny_args(scheme, folder, steps=8, extra=["--resume"], **settings)) == 0
 
     assert seen == [4, 5, 6, 7], f"resumed run should take steps 5..8 only, took global steps {seen}"
     assert read_run(folder)["steps"] == 8
@@ -212,7 +216,7 @@ def test_train_resume_continues_from_last_checkpoint(scheme, seq_len, tmp_path, 
 def test_generate_greedy_starts_with_prompt_and_matches_model(t5_folder, capsys):
     capsys.readouterr()
     argv = ["generate", str(t5_folder), "--prompt", PROMPT, "--quiet", "--temperature", "0", "--max-new-tokens", "8"]
-    assert cli.main(argv) == 0
+    assert hf_relpos_cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.endswith("\n")
     text = printed[:-1]
@@ -227,7 +231,7 @@ def test_generate_greedy_starts_with_prompt_and_matches_model(t5_folder, capsys)
     assert text == tokenizer.decode(output[0], skip_special_tokens=True)
 
     # streaming (not --quiet) prints the prompt and continuation too
-    assert cli.main(argv[:4] + ["--temperature", "0", "--max-new-tokens", "8"]) == 0
+    assert hf_relpos_cli.main(argv[:4] + ["--temperature", "0", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith(PROMPT)
 
 
@@ -279,7 +283,7 @@ def test_model_card_snippet_runs_without_hf_relpos(t5_folder, tmp_path):
 def test_eval_t5_bias_finite_at_every_length(t5_folder, capsys):
     capsys.readouterr()
     seq_len, _, eval_tokens = SETTINGS["t5_bias"]
-    assert cli.main(["eval", str(t5_folder), "--eval-tokens", str(eval_tokens)]) == 0
+    assert hf_relpos_cli.main(["eval", str(t5_folder), "--eval-tokens", str(eval_tokens)]) == 0
     values = parse_eval(capsys.readouterr().out)
     assert list(values) == [f"ppl@{seq_len * f}" for f in (1, 2, 4)], values
     for name, text in values.items():
@@ -292,7 +296,7 @@ def test_eval_matches_independent_perplexity(t5_folder, capsys):
     """eval's 2L number is the perplexity of the held-out text, recomputed here without the CLI."""
     capsys.readouterr()
     seq_len, _, _ = SETTINGS["t5_bias"]
-    assert cli.main(["eval", str(t5_folder), "--factors", "2", "--eval-tokens", "300"]) == 0
+    assert hf_relpos_cli.main(["eval", str(t5_folder), "--factors", "2", "--eval-tokens", "300"]) == 0
     values = parse_eval(capsys.readouterr().out)
     tokenizer = AutoTokenizer.from_pretrained(t5_folder)
     model = AutoModelForCausalLM.from_pretrained(t5_folder, trust_remote_code=True).eval()
@@ -305,7 +309,7 @@ def test_eval_learned_is_inf_past_training_length(learned_folder, capsys):
     capsys.readouterr()
     seq_len, _, eval_tokens = SETTINGS["learned"]
     assert json.loads((learned_folder / "config.json").read_text())["max_position_embeddings"] == seq_len
-    assert cli.main(["eval", str(learned_folder), "--eval-tokens", str(eval_tokens)]) == 0
+    assert hf_relpos_cli.main(["eval", str(learned_folder), "--eval-tokens", str(eval_tokens)]) == 0
     values = parse_eval(capsys.readouterr().out)
     assert list(values) == [f"ppl@{seq_len * f}" for f in (1, 2, 4)], values
     assert math.isfinite(float(values[f"ppl@{seq_len}"]))
@@ -316,7 +320,7 @@ def test_eval_learned_is_inf_past_training_length(learned_folder, capsys):
 def test_eval_transformer_xl_reports_memory(txl_folder, capsys):
     capsys.readouterr()
     seq_len, _, eval_tokens = SETTINGS["transformer_xl"]
-    assert cli.main(["eval", str(txl_folder), "--factors", "1", "--eval-tokens", str(eval_tokens)]) == 0
+    assert hf_relpos_cli.main(["eval", str(txl_folder), "--factors", "1", "--eval-tokens", str(eval_tokens)]) == 0
     values = parse_eval(capsys.readouterr().out)
     run = read_run(txl_folder)
     # Printed with 2 decimals; float32 reductions in a reloaded model may move the last digit.
@@ -329,7 +333,7 @@ def test_eval_rejects_non_positive_factors(t5_folder, capsys):
     """A zero factor is a usage error, not a scheme that "cannot run": it must not print inf."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
-        cli.main(["eval", str(t5_folder), "--factors", "1", "0", "--eval-tokens", "50"])
+        hf_relpos_cli.main(["eval", str(t5_folder), "--factors", "1", "0", "--eval-tokens", "50"])
     assert info.value.code == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("hf-relpos eval: error: argument --factors: must be >= 1, got 0")
@@ -342,7 +346,7 @@ def test_eval_rejects_non_positive_factors(t5_folder, capsys):
 
 
 def test_validate_t5_ok(capsys):
-    assert cli.main(["validate-t5"]) == 0
+    assert hf_relpos_cli.main(["validate-t5"]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "MISMATCH" not in out
     assert f"transformers {transformers.__version__}" in out
@@ -361,7 +365,7 @@ def test_validate_t5_detects_broken_buckets(monkeypatch, capsys):
     # validate_t5 imports the name from hf_relpos.functional at call time, and t5_position_bias
     # looks it up in the same module, so both the bucket check and the bias check see the break
     monkeypatch.setattr(hf_relpos.functional, "t5_relative_position_bucket", off_by_one)
-    assert cli.main(["validate-t5"]) != 0
+    assert hf_relpos_cli.main(["validate-t5"]) != 0
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "OK" not in out
     assert not re.search(r"mismatches: 0\b", out), out
@@ -379,7 +383,7 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     models = out / "models"
     argv = ["compare", "--quick", "--schemes", *schemes, "--output-dir", str(out), "--steps", str(steps),
             "--seq-len", str(seq_len), "--batch-size", "4", "--vocab-size", "300", "--seeds", str(seeds)]  # fmt: skip
-    assert cli.main(argv) == 0
+    assert hf_relpos_cli.main(argv) == 0
     printed = capsys.readouterr().out
 
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -394,7 +398,7 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     lines = table.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| scheme"))
     columns = [c.strip() for c in lines[header].strip("|").split("|")]
-    assert columns == ["scheme", "position params", "train PPL (L)", "2x PPL", "4x PPL", "8x PPL"], columns
+    assert columns == ["scheme", "position params", "held-out PPL at L", "2x PPL", "4x PPL", "8x PPL"], columns
     body = []
     for line in lines[header + 2 :]:
         if not line.startswith("|"):
@@ -430,7 +434,7 @@ def test_compare_quick_writes_table_json_and_plot(tmp_path, capsys):
     rows = {row["scheme"]: row for row in data["rows"]}
     assert all(math.isinf(rows["learned"][f"ppl_{f}x"]) for f in (2, 4, 8))
     assert rows["alibi"]["position_params"] == 0  # parameter-free
-    assert rows["learned"]["position_params"] == seq_len * cli.PRESETS["tiny"]["hidden_size"]
+    assert rows["learned"]["position_params"] == seq_len * PRESETS["tiny"]["hidden_size"]
 
 
 def test_sliding_perplexity_scores_every_token_once_with_its_window():
@@ -472,13 +476,13 @@ def test_compare_quick_caps_but_keeps_smaller_user_settings(monkeypatch, tmp_pat
         seen.append(args)
         raise Stop
 
-    monkeypatch.setattr(cli, "train", record)
+    monkeypatch.setattr(hf_relpos.commands.compare, "train_model", record)
     with pytest.raises(Stop):
-        cli.main(["compare", "--quick", "--output-dir", str(tmp_path / "a")])
+        hf_relpos_cli.main(["compare", "--quick", "--output-dir", str(tmp_path / "a")])
     assert (seen[-1].steps, seen[-1].seq_len) == (60, 64)
     assert seen[-1].eval_tokens == 4096
     with pytest.raises(Stop):
-        cli.main(["compare", "--quick", "--steps", "3", "--seq-len", "16", "--eval-tokens", "400",
+        hf_relpos_cli.main(["compare", "--quick", "--steps", "3", "--seq-len", "16", "--eval-tokens", "400",
                   "--output-dir", str(tmp_path / "b")])
     assert (seen[-1].steps, seen[-1].seq_len) == (3, 16)
     assert seen[-1].eval_tokens == 400, f"--quick replaced --eval-tokens 400 by {seen[-1].eval_tokens}"
@@ -506,7 +510,7 @@ def test_non_positive_arguments_exit_naming_the_flag(argv, flag, tmp_path, capsy
     if argv[0] in ("train", "compare"):
         argv = argv + ["--output-dir", str(output)]
     with pytest.raises(SystemExit) as info:
-        cli.main(argv)
+        hf_relpos_cli.main(argv)
     message = capsys.readouterr().err
     assert info.value.code == 2
     assert message.startswith(f"hf-relpos {argv[0]}: error: argument {flag}") and "must be >= " in message, message
@@ -524,24 +528,24 @@ def one_line_error(capsys, command: str) -> str:
 def test_generate_and_eval_need_a_trained_folder(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert cli.main(["generate", str(empty), "--quiet"]) == 2
+    assert hf_relpos_cli.main(["generate", str(empty), "--quiet"]) == 2
     assert str(empty) in one_line_error(capsys, "generate")
-    assert cli.main(["eval", str(empty)]) == 2
+    assert hf_relpos_cli.main(["eval", str(empty)]) == 2
     assert "config.json" in one_line_error(capsys, "eval")
     missing = tmp_path / "missing"
-    assert cli.main(["generate", str(missing)]) == 2
+    assert hf_relpos_cli.main(["generate", str(missing)]) == 2
     assert str(missing) in one_line_error(capsys, "generate")
 
 
 def test_train_file_errors_name_the_flag(tmp_path, capsys):
     missing = tmp_path / "nope.txt"
     argv = ["train", "--output-dir", str(tmp_path / "m"), "--steps", "1", "--seq-len", "16", "--quiet"]
-    assert cli.main(argv + ["--train-file", str(missing)]) == 2
+    assert hf_relpos_cli.main(argv + ["--train-file", str(missing)]) == 2
     err = one_line_error(capsys, "train")
     assert "--train-file" in err and str(missing) in err
     short = tmp_path / "short.txt"
     short.write_text("too short " * 10)
-    assert cli.main(argv + ["--train-file", str(short)]) == 2
+    assert hf_relpos_cli.main(argv + ["--train-file", str(short)]) == 2
     assert re.search("--train-file .*at least 1000", one_line_error(capsys, "train"))
     assert not (tmp_path / "m").exists() and not (tmp_path / "m-checkpoints").exists()
 

@@ -18,7 +18,12 @@ import transformers
 
 import hf_relpos
 import hf_relpos_cli
-from hf_relpos import cli
+import hf_relpos.commands.compare
+import hf_relpos.commands.train
+from hf_relpos.commands.common import RUN_FILE, TIME_FILE
+from hf_relpos.commands.errors import UserError
+from hf_relpos.commands.plotting import plot
+from hf_relpos.commands.train import PRESETS
 from hf_relpos.data import SPECIAL_TOKENS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,17 +145,17 @@ def test_generate_past_a_learned_table_stops_with_a_notice(trained, capsys):
 
 
 def test_debug_shows_the_traceback_and_unexpected_errors_are_not_hidden(tmp_path, monkeypatch):
-    with pytest.raises(hf_relpos_cli.UserError):
+    with pytest.raises(UserError):
         hf_relpos_cli.main(["generate", str(tmp_path / "missing"), "--debug"])
     monkeypatch.setenv("HF_RELPOS_DEBUG", "1")
-    with pytest.raises(hf_relpos_cli.UserError):
+    with pytest.raises(UserError):
         hf_relpos_cli.main(["generate", str(tmp_path / "missing")])
     monkeypatch.delenv("HF_RELPOS_DEBUG")
 
     def broken(args):
         raise RuntimeError("a bug, not a user error")
 
-    monkeypatch.setitem(cli.COMMANDS, "eval", broken)
+    monkeypatch.setattr(hf_relpos.commands.train, "eval_command", broken)  # main looks it up by name
     with pytest.raises(RuntimeError):  # the console script prints its traceback and exits 1
         hf_relpos_cli.main(["eval", str(tmp_path)])
 
@@ -207,7 +212,7 @@ def test_compare_writes_a_fresh_folder_under_runs_by_default(tmp_path, monkeypat
         seen.append(args.output_dir)
         raise Stop
 
-    monkeypatch.setattr(cli, "train", record)
+    monkeypatch.setattr(hf_relpos.commands.compare, "train_model", record)
     with pytest.raises(Stop):
         hf_relpos_cli.main(["compare", "--quick"])
     capsys.readouterr()
@@ -290,7 +295,7 @@ def test_ctrl_c_saves_and_resume_reaches_the_same_loss(scheme, tmp_path, monkeyp
     assert err.count("\n") == 1 and "interrupted at step 3 of 6" in err, err
     checkpoint = tmp_path / "interrupted-checkpoints" / "checkpoint-3"
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.pt").is_file()
-    first_part = json.loads((checkpoint / cli.TIME_FILE).read_text())["train_seconds"]
+    first_part = json.loads((checkpoint / TIME_FILE).read_text())["train_seconds"]
     if scheme == "transformer_xl":
         assert (checkpoint / "mems-rank0.safetensors").is_file()
     assert not (interrupted / "model.safetensors").exists()
@@ -298,7 +303,7 @@ def test_ctrl_c_saves_and_resume_reaches_the_same_loss(scheme, tmp_path, monkeyp
     command = err.split("Resume with: ")[1].strip()
     assert command.startswith("hf-relpos train ") and command.endswith("--resume")
     assert run(shlex.split(command)[1:], capsys)[0] == 0
-    resumed, reference = (json.loads((d / cli.RUN_FILE).read_text()) for d in (interrupted, straight))
+    resumed, reference = (json.loads((d / RUN_FILE).read_text()) for d in (interrupted, straight))
     assert resumed["final_train_loss"] == pytest.approx(reference["final_train_loss"], abs=1e-4)
     assert resumed["test_ppl"] == pytest.approx(reference["test_ppl"], rel=1e-4)
     assert resumed["train_seconds"] >= first_part > 0  # the card's training time covers both parts
@@ -366,6 +371,35 @@ def test_help_and_version_do_not_import_torch():
 def test_cli_constants_match_the_package():
     assert hf_relpos_cli.SCHEMES == tuple(hf_relpos.POSITION_ENCODINGS)
     assert hf_relpos_cli.MIN_VOCAB == 256 + len(SPECIAL_TOKENS)
+    assert sorted(hf_relpos_cli.PRESET_NAMES) == sorted(PRESETS)
+
+
+def test_help_parses_in_well_under_half_a_second():
+    """Interpreter start aside: importing the parser and printing the help imports no torch, so it takes ~10 ms."""
+    code = (
+        "import time\n"
+        "start = time.perf_counter()\n"
+        "import hf_relpos_cli\n"
+        "for argv in (['--help'], ['train', '--help'], ['compare', '--help']):\n"
+        "    try:\n"
+        "        hf_relpos_cli.main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(time.perf_counter() - start)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout.strip().splitlines()[-1]) < 0.5, result.stdout[-200:]
+
+
+def test_the_commands_are_found_by_the_names_the_parser_dispatches_to():
+    import importlib
+
+    subparsers = next(a for a in hf_relpos_cli.parser()._actions if a.dest == "command").choices
+    assert sorted(hf_relpos_cli.COMMANDS) == sorted(subparsers)
+    for name, target in hf_relpos_cli.COMMANDS.items():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
 
 
 # ---------------------------------------------------------------------------
@@ -383,7 +417,7 @@ def test_plot_log_scale_marks_what_cannot_run_and_keeps_the_legend_off_the_data(
         {"scheme": "sinusoidal", "ppl_1x": 150.0, "ppl_2x": 900.0, "ppl_4x": 4000.0},
         {"scheme": "learned", "ppl_1x": 90.0, "ppl_2x": float("inf"), "ppl_4x": float("inf")},
     ]
-    cli.plot(rows, 64, (1, 2, 4), tmp_path / "p.png", quick=True)
+    plot(rows, 64, (1, 2, 4), tmp_path / "p.png", quick=True)
     (ax,) = figures[0].axes
     assert ax.get_yscale() == "log"
     assert "quick run" in ax.get_title()

@@ -21,7 +21,9 @@ import torch
 from PIL import Image
 
 import hf_relpos_cli
-from hf_relpos import RelPosForCausalLM, cli, inspection
+from hf_relpos import RelPosForCausalLM, inspection
+from hf_relpos.commands.common import RUN_FILE, load_folder, prepare_output
+from hf_relpos.commands.errors import UserError
 from hf_relpos.functional import alibi_slopes, fire_bias, t5_relative_position_bucket
 from tiny import tiny_config
 
@@ -106,7 +108,7 @@ def assert_png(path: Path) -> None:
 
 
 def prompt_ids(folder: Path, prompt: str = PROMPT) -> tuple:
-    model, tokenizer = cli.load_folder(str(folder))
+    model, tokenizer = load_folder(str(folder))
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     return model, tokenizer, ids
 
@@ -382,9 +384,9 @@ def test_default_output_dir_and_overwrite_guard(trained, tmp_path, capsys):
     assert set(after) == set(before) and after["attention-layer0.png"] != before["attention-layer0.png"]
 
     # the model folder with its inspect/ figures is still one that train --overwrite / --resume accepts
-    assert cli.prepare_output(folder, overwrite=True, resume=None) is None
-    with pytest.raises(hf_relpos_cli.UserError, match="already holds a trained model"):
-        cli.prepare_output(folder, overwrite=False, resume=None)
+    assert prepare_output(folder, overwrite=True, resume=None) is None
+    with pytest.raises(UserError, match="already holds a trained model"):
+        prepare_output(folder, overwrite=False, resume=None)
 
 
 def test_user_errors_are_one_line(trained, tmp_path, capsys):
@@ -422,9 +424,9 @@ def test_user_errors_are_one_line(trained, tmp_path, capsys):
 
     # a model folder without the training record: the default distance is unknown
     bare = tmp_path / "bare"
-    shutil.copytree(folder, bare, ignore=shutil.ignore_patterns(cli.RUN_FILE, "inspect"))
+    shutil.copytree(folder, bare, ignore=shutil.ignore_patterns(RUN_FILE, "inspect"))
     err = one_line_error(*run(["inspect", str(bare), "--output-dir", str(tmp_path / "b")], capsys)[::2])
-    assert "--distance" in err and cli.RUN_FILE in err
+    assert "--distance" in err and RUN_FILE in err
     assert not (tmp_path / "b").exists()
     code, _, err = run(["inspect", str(bare), "--output-dir", str(tmp_path / "b"), "--distance", "20"], capsys)
     assert code == 0, err

@@ -1,15 +1,16 @@
 """The project as a user gets it from ``pip install``: a built wheel, not this checkout.
 
-The model-card templates (``hf_relpos/model_cards/*.md``) are package data declared in
-``pyproject.toml`` (``[tool.setuptools.package-data]``); without that declaration a wheel ships the
-code but no templates, and ``hf-relpos train`` fails at its very end, when it writes the model card.
+The model-card templates (the top-level ``model_cards/*.md``) ship as the data package ``hf_relpos.model_cards``
+(``pyproject.toml``: a ``package-dir`` mapping and ``package-data``); without it a wheel ships the code but no
+templates, and ``hf-relpos train`` fails at its very end, when it writes the model card.
 The editable install the rest of the suite runs against cannot see this, so this test:
 
 1. copies the checkout's source files (git's tracked and non-ignored files; without git, everything
    but virtual environments, build outputs and caches) to a temporary folder, so that no stale
    ``build/`` or ``*.egg-info`` of the checkout leaks into the wheel and the checkout is left untouched;
 2. builds a wheel there with ``pip wheel --no-deps --no-build-isolation --no-index`` (offline: the
-   venv's own setuptools is the build backend);
+   venv's own setuptools is the build backend), verbosely, and fails on any setuptools warning in the
+   build's output (such as "Package would be ignored", which a data folder inside the package gave);
 3. checks the wheel's contents: every ``.py`` and every model-card template of the package, the
    ``hf-relpos`` entry point of ``pyproject.toml`` and the module it names, the licence;
 4. installs it with ``pip install --no-deps --no-index --target`` into a fresh folder outside the checkout;
@@ -128,30 +129,56 @@ def _entry_point() -> tuple[str, str]:
     return "hf-relpos", scripts["hf-relpos"]
 
 
+# What setuptools says when a build is not clean: a warning class (BuildBackendWarning, SetuptoolsDeprecationWarning,
+# ...), the "!!" banner they are printed in, the message about a data folder inside a package that is not listed as
+# one, and distutils' "warning: ..." log lines. (pip's own "WARNING:" lines, about its configuration, are not these.)
+SETUPTOOLS_WARNING = re.compile(r"Package would be ignored|\w+Warning\b|^\s*!!\s*$|^\s*warning:", re.M)
+
+
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def build(tmp_path_factory) -> tuple:
+    """The wheel, and what its build printed (verbose: the build backend's own output included)."""
     _skip_unless_buildable_offline()
     work = tmp_path_factory.mktemp("packaging")
     source = work / "source"
     _copy_source(source)
     dist = work / "dist"
-    _run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(dist), str(source)],
-        cwd=work, env=_offline_env(),
+    env = _offline_env()
+    env.pop("PYTHONDONTWRITEBYTECODE")  # else distutils warns "byte-compiling is disabled", which is this test's doing
+    result = _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-v", "-w", str(dist), str(source)],
+        cwd=work, env=env,
     )  # fmt: skip
     wheels = sorted(dist.glob(f"{PACKAGE}-*.whl"))
     assert len(wheels) == 1, f"expected one {PACKAGE} wheel in {dist}, found {[w.name for w in dist.iterdir()]}"
-    return wheels[0]
+    return wheels[0], result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(build) -> Path:
+    return build[0]
+
+
+def test_the_build_prints_no_setuptools_warning(build):
+    _, output = build
+    assert "adding 'hf_relpos/" in output, "the build's own output is missing (pip -v shows the backend's)"
+    warnings = [line for line in output.splitlines() if SETUPTOOLS_WARNING.search(line)]
+    at = output.find(warnings[0]) if warnings else 0
+    assert not warnings, f"setuptools warned during the build:\n{output[max(0, at - 1500):at + 1500]}"
 
 
 def test_wheel_contents(wheel):
     archive = zipfile.ZipFile(wheel)
     names = set(archive.namelist())
-    cards = sorted((ROOT / PACKAGE / "model_cards").glob("*.md"))
+    cards = sorted((ROOT / "model_cards").glob("*.md"))
     assert len(cards) >= 8, f"expected a model-card template per scheme, found {[c.name for c in cards]}"
+    assert not (ROOT / PACKAGE / "model_cards").exists(), "model_cards/ is the top-level folder, the single source"
     missing = [f"{PACKAGE}/model_cards/{c.name}" for c in cards if f"{PACKAGE}/model_cards/{c.name}" not in names]
     assert not missing, f"model-card templates missing from {wheel.name} (package-data in pyproject.toml?): {missing}"
-    modules = [f"{PACKAGE}/{p.name}" for p in (ROOT / PACKAGE).glob("*.py")]
+    shipped = {n.rsplit("/", 1)[1] for n in names if n.startswith(f"{PACKAGE}/model_cards/") and n.endswith(".md")}
+    assert shipped == {c.name for c in cards}, f"{wheel.name} ships other templates than model_cards/: {sorted(shipped)}"
+    modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / PACKAGE).rglob("*.py")]
+    assert f"{PACKAGE}/commands/train.py" in modules, "the command modules were not found in the checkout"
     assert not [m for m in modules if m not in names], f"modules missing from {wheel.name}: {sorted(set(modules) - names)}"
     assert not [n for n in names if n.startswith(("tests/", "scripts/", "results/"))], "test or result files in the wheel"
 
@@ -188,6 +215,18 @@ def test_installed_wheel_trains_and_writes_model_card(wheel, tmp_path):
     )  # fmt: skip
     for line in probe.stdout.splitlines():
         assert Path(line).resolve().is_relative_to(site.resolve()), f"imported {line}, not the installed wheel under {site}"
+    # every template, read as the commands read them (importlib.resources), from the installed wheel
+    read = _run(
+        [sys.executable, "-c", "from hf_relpos.commands.model_card import read_template, TEMPLATES; "
+         "from importlib import resources; import sys; "
+         "[print(t.name, len(read_template(t.name[:-3]))) for t in resources.files(TEMPLATES).iterdir() if t.name.endswith('.md')]; "
+         "print(resources.files(TEMPLATES))"],
+        cwd=elsewhere, env=env,
+    )  # fmt: skip
+    *templates, where = read.stdout.strip().splitlines()
+    assert Path(where).resolve().is_relative_to(site.resolve()), f"templates read from {where}, not from {site}"
+    assert sorted(t.split()[0] for t in templates) == sorted(c.name for c in (ROOT / "model_cards").glob("*.md"))
+    assert all(int(t.split()[1]) > 100 for t in templates), templates
 
     installed_script = site / "bin" / script
     assert installed_script.is_file(), f"pip installed no {script} script into {site / 'bin'}"
@@ -204,7 +243,7 @@ def test_installed_wheel_trains_and_writes_model_card(wheel, tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("---\n"), "the model card has no YAML front matter"
     assert not re.search(r"\{\{\s*\w+\s*\}\}", card), "the model card has unfilled template fields"
-    template = (ROOT / PACKAGE / "model_cards" / "t5_bias.md").read_text()
+    template = (ROOT / "model_cards" / "t5_bias.md").read_text()
     heading = next(line for line in template.splitlines() if line.startswith("# "))
     assert heading in card, f"the model card is not filled in from the t5_bias template ({heading!r} not in it)"
     assert not list(elsewhere.iterdir()), f"training wrote into the working directory: {list(elsewhere.iterdir())}"

@@ -1,0 +1,214 @@
+"""``hf-relpos compare``: the length-extrapolation experiment over every scheme, and its table.
+
+:func:`compare` takes a :class:`CompareOptions`, trains every scheme × seed alike through
+:func:`~.train.train_model`, and writes ``compare.md`` (:func:`render_table`), ``compare.json``, ``compare.png``
+(:func:`~.plotting.plot`) and the models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from .common import RUN_FILE, checkpoints_dir, evaluation_name, last_checkpoint
+from .errors import Interrupted, UserError
+from .model_card import format_ppl
+from .plotting import plot
+from .train import TrainOptions, resume_command, train_model
+
+
+@dataclasses.dataclass
+class CompareOptions:
+    """The flags of ``hf-relpos compare`` (same names and defaults): what is compared, and how each run trains."""
+
+    output_dir: Optional[str] = None  # None: a new runs/compare-<date>-<time>
+    schemes: Optional[Sequence[str]] = None  # None: every scheme
+    quick: bool = False  # a few-minute run (at most 60 steps, L <= 64), marked as such
+    seeds: int = 3  # seeds per scheme: seed, seed + 1, ...
+    factors: Sequence[int] = (1, 2, 4, 8)  # evaluation lengths as multiples of L
+    sliding: bool = False
+    preset: str = "tiny"
+    seq_len: int = 128
+    steps: int = 500
+    batch_size: int = 16
+    learning_rate: float = 2e-3
+    vocab_size: int = 2048
+    mem_len: Optional[int] = None
+    seed: int = 0
+    train_file: Optional[Sequence[str]] = None
+    eval_tokens: Optional[int] = None
+    overwrite: bool = False
+    resume: Union[bool, str, None] = None
+    quiet: bool = False
+    argv: Sequence[str] = ()  # the command line (without "hf-relpos"), recorded and used in the resume hint
+
+    @classmethod
+    def from_namespace(cls, args) -> "CompareOptions":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def compare(options: CompareOptions) -> Path:
+    """Train every scheme alike, evaluate at L, 2L, 4L; write compare.md, compare.json, compare.png and the models.
+
+    Writes into a fresh ``runs/compare-<date>-<time>`` unless ``--output-dir`` says where (a folder that
+    already holds results needs ``--overwrite``). ``--resume`` continues an interrupted comparison:
+    finished runs (scheme and seed) are read from their training records, which must hold this command's
+    evaluation lengths and kind; the interrupted one resumes from its checkpoint. Returns the folder written.
+    """
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    if options.quick:
+        options = dataclasses.replace(options, steps=min(options.steps, 60), seq_len=min(options.seq_len, 64),
+                                      eval_tokens=min(options.eval_tokens or 4096, 4096))
+    if options.mem_len is not None and "transformer_xl" not in (options.schemes or ["transformer_xl"]):
+        raise UserError("--mem-len applies to transformer_xl, which --schemes leaves out")
+    out = Path(options.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
+    if out.is_dir() and any(out.iterdir()) and not (options.overwrite or options.resume):
+        raise UserError(
+            f"--output-dir {str(out)!r} already holds files: pass --overwrite to replace its table and plot "
+            "(trained models are kept unless retrained) or --resume to continue an interrupted comparison"
+        )
+    schemes = options.schemes or list(_all_schemes())
+    factors = tuple(sorted(set(options.factors) | {1}))  # L itself always: the training length's perplexity
+    seeds = [options.seed + k for k in range(options.seeds)]
+    rows = []
+    runs = [(scheme, seed) for scheme in schemes for seed in seeds]
+    summaries = {}
+    for scheme, seed in tqdm(runs, desc="schemes x seeds", disable=options.quiet):
+        folder = out / "models" / scheme / f"seed-{seed}"
+        done = (folder / RUN_FILE).is_file() and options.resume
+        if done:
+            _check_resumed_record(folder, options.seq_len, options.sliding, factors)
+        else:
+            resume = True if options.resume and last_checkpoint(checkpoints_dir(folder)) is not None else None
+            run = TrainOptions(
+                output_dir=str(folder), position_encoding=scheme, preset=options.preset, seq_len=options.seq_len,
+                steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
+                vocab_size=options.vocab_size, mem_len=options.mem_len if scheme == "transformer_xl" else None,
+                seed=seed, train_file=options.train_file, eval_tokens=options.eval_tokens, overwrite=options.overwrite,
+                resume=resume, quiet=True, eval_factors=factors, sliding=options.sliding, argv=options.argv,
+            )
+            try:
+                train_model(run)
+            except Interrupted as stop:
+                raise Interrupted(f"comparison interrupted while training {scheme} (seed {seed}): {stop}",
+                                  resume_command(options.argv)) from None
+        summaries.setdefault(scheme, []).append(json.loads((folder / RUN_FILE).read_text()))
+        if len(summaries[scheme]) == len(seeds):
+            rows.append(compare_row(scheme, summaries[scheme], options.seq_len, factors))
+            if not options.quiet:
+                tqdm.write(f"{scheme:>15}: " + "  ".join(f"{f}x {_mean_cell(rows[-1], f'ppl_{f}x')}" for f in factors))
+    meta = {
+        "command": "hf-relpos " + shlex.join(options.argv),
+        "quick": bool(options.quick),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
+        "seq_len": options.seq_len, "steps": options.steps, "preset": options.preset, "batch_size": options.batch_size,
+        "learning_rate": options.learning_rate, "seeds": seeds, "factors": list(factors),
+        "eval_tokens": options.eval_tokens, "evaluation": evaluation_name(options.seq_len, options.sliding),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    table = render_table(rows, options.seq_len, meta)
+    (out / "compare.md").write_text(table)
+    plot(rows, options.seq_len, factors, out / "compare.png", quick=meta["quick"])
+    if not options.quiet:
+        print(table)
+    print(f"Wrote {out}/compare.md, compare.json and compare.png")
+    return out
+
+
+def _all_schemes():
+    from ..configuration_relpos import POSITION_ENCODINGS
+
+    return POSITION_ENCODINGS
+
+
+def _check_resumed_record(folder: Path, seq_len: int, sliding: bool, factors) -> None:
+    """A finished run reused by ``--resume`` must have been evaluated as this command asks."""
+    record = json.loads((folder / RUN_FILE).read_text())
+    lengths = sorted(int(n) for n in record["test_ppl_by_length"])
+    evaluation = record.get("evaluation", "non-overlapping segments")
+    wanted = [seq_len * f for f in factors]
+    if not set(wanted) <= set(lengths) or evaluation != evaluation_name(seq_len, sliding):
+        raise UserError(
+            f"--resume: {folder} was evaluated at lengths {lengths} ({evaluation}), this command asks for {wanted} "
+            f"({evaluation_name(seq_len, sliding)}): resume with the original --factors and --sliding, or use a new "
+            "--output-dir"
+        )
+
+
+def _mean_std(values: list) -> tuple:
+    """Mean and sample standard deviation (0 for one value); inf when a seed cannot run at that length."""
+    if any(math.isinf(v) for v in values):
+        return math.inf, math.nan
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return mean, std
+
+
+def compare_row(scheme: str, summaries: list, seq_len: int, factors) -> dict:
+    """One scheme's row: at each length the mean, standard deviation and per-seed perplexities from its
+    seeds' training records (all on the same test tokens)."""
+    row = {"scheme": scheme, "position_params": summaries[0]["position_parameters"],
+           "seeds": [s["seed"] for s in summaries]}
+    for f in factors:
+        values = [{int(n): p for n, p in s["test_ppl_by_length"].items()}[seq_len * f] for s in summaries]
+        row[f"ppl_{f}x"], row[f"ppl_{f}x_std"] = _mean_std(values)
+        row[f"ppl_{f}x_seeds"] = values
+    if all("test_ppl_with_memory" in s for s in summaries):
+        row["ppl_1x_with_memory"], row["ppl_1x_with_memory_std"] = _mean_std([s["test_ppl_with_memory"] for s in summaries])
+    return row
+
+
+def _mean_cell(row: dict, key: str) -> str:
+    value, std = row[key], row.get(f"{key}_std")
+    if math.isinf(value) or std is None or math.isnan(std):
+        return format_ppl(value)
+    return f"{value:.2f} ± {std:.2f}"
+
+
+def render_table(rows, seq_len, meta) -> str:
+    """compare.md: one row per scheme, perplexity on the test split at each length (mean ± std over seeds); the
+    column at L is that held-out perplexity at the training length (each run's ``test_ppl``), not a training loss."""
+    factors = meta.get("factors", [1, 2, 4])
+    seeds = meta.get("seeds", [meta.get("seed", 0)])
+    lines = []
+    if meta.get("quick"):
+        lines += [f"**Quick run** ({meta['steps']} steps, L={seq_len}): a smoke test, not comparable with full runs.", ""]
+    lines += [
+        f"Perplexity on held-out text (mean ± standard deviation over {len(seeds)} seed{'s' * (len(seeds) > 1)}), "
+        f"trained at L={seq_len}, evaluated at " + ", ".join(f"{f}L" for f in factors)
+        + f" ({meta.get('evaluation', 'non-overlapping segments')}).",
+        "",
+        "| scheme | position params | " + " | ".join("held-out PPL at L" if f == 1 else f"{f}x PPL" for f in factors) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in factors) + " |",
+    ]
+    for row in rows:
+        lines.append(f"| {row['scheme']} | {row['position_params']:,} | "
+                     + " | ".join(_mean_cell(row, f"ppl_{f}x") for f in factors) + " |")
+    memory = [r for r in rows if "ppl_1x_with_memory" in r]
+    if memory:
+        lines += ["", "Transformer-XL with its segment memory at L: " + ", ".join(_mean_cell(r, "ppl_1x_with_memory")
+                                                                                for r in memory)]
+    lines += ["", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; "
+              f"preset {meta['preset']}, {meta['steps']} steps × batch {meta['batch_size']}, learning rate "
+              f"{meta.get('learning_rate')}, seeds {', '.join(map(str, seeds))}"
+              + (f"; {meta['seconds'] / 60:.1f} minutes in all." if "seconds" in meta else ".")]
+    return "\n".join(lines) + "\n"
+
+
+def compare_command(args) -> int:
+    compare(CompareOptions.from_namespace(args))
+    return 0

@@ -1,0 +1,56 @@
+"""``hf-relpos generate``: continue a prompt with a trained folder's model, streaming to the terminal."""
+
+from __future__ import annotations
+
+import sys
+
+from .common import load_folder, position_table
+from .errors import UserError
+
+
+def generate_text(folder: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 40,
+                  seed: int = 0, quiet: bool = False) -> str:
+    """Sample (greedy at ``temperature`` 0) up to ``max_new_tokens`` after ``prompt``; the whole text, printed as it
+    comes (``quiet``: once, at the end). An absolute scheme stops at the end of its position table, and says so."""
+    import torch
+    from transformers import TextStreamer
+
+    if not prompt.strip():
+        raise UserError("--prompt is empty: give some text to continue")
+    model, tokenizer = load_folder(folder)
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False)
+    prompt_length = inputs["input_ids"].shape[1]
+    new_tokens, table = max_new_tokens, position_table(model.config)
+    if table is not None and prompt_length + new_tokens > table:
+        if prompt_length >= table:
+            raise UserError(
+                f"--prompt is {prompt_length} tokens, and the {model.config.position_encoding} position table "
+                f"holds {table}: give a shorter prompt"
+            )
+        new_tokens = table - prompt_length
+    streamer = None if quiet else TextStreamer(tokenizer)
+    torch.manual_seed(seed)
+    output = model.generate(
+        **inputs,
+        max_new_tokens=new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=top_k if temperature > 0 else None,
+        use_cache=True,
+        streamer=streamer,
+    )
+    text = tokenizer.decode(output[0], skip_special_tokens=True)
+    print(text if quiet else "")
+    if new_tokens < max_new_tokens:
+        print(
+            f"hf-relpos generate: stopped after {new_tokens} new tokens: the {model.config.position_encoding} "
+            f"position table holds {table} positions",
+            file=sys.stderr,
+        )
+    return text
+
+
+def generate_command(args) -> int:
+    generate_text(args.folder, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_k=args.top_k, seed=args.seed, quiet=args.quiet)
+    return 0

@@ -1,0 +1,160 @@
+"""Model cards: a trained or converted folder's README.md, filled in from the scheme's template.
+
+The templates are the repository's top-level ``model_cards/*.md``, shipped in the wheel as the package data
+``hf_relpos.model_cards`` (``pyproject.toml``'s package-dir mapping; an editable install maps it the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from importlib import resources
+from pathlib import Path
+
+TEMPLATES = "hf_relpos.model_cards"  # one ``<scheme>.md`` per scheme, and ``seq2seq.md`` for convert-t5
+
+
+def read_template(name: str) -> str:
+    """The text of ``model_cards/<name>.md`` from wherever the package is installed."""
+    template = resources.files(TEMPLATES) / f"{name}.md"
+    if not template.is_file():
+        raise FileNotFoundError(f"model card template {template} is missing from the installed package")
+    return template.read_text(encoding="utf-8")
+
+
+BIBTEX = {
+    "t5_bias": """@article{raffel2020t5,
+  title={Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer},
+  author={Raffel, Colin and Shazeer, Noam and Roberts, Adam and Lee, Katherine and Narang, Sharan and Matena, Michael and Zhou, Yanqi and Li, Wei and Liu, Peter J.},
+  journal={Journal of Machine Learning Research}, volume={21}, number={140}, pages={1--67}, year={2020}
+}""",
+    "shaw": """@inproceedings{shaw2018relative,
+  title={Self-Attention with Relative Position Representations},
+  author={Shaw, Peter and Uszkoreit, Jakob and Vaswani, Ashish},
+  booktitle={Proceedings of NAACL-HLT}, pages={464--468}, year={2018}
+}""",
+    "transformer_xl": """@inproceedings{dai2019transformerxl,
+  title={Transformer-{XL}: Attentive Language Models beyond a Fixed-Length Context},
+  author={Dai, Zihang and Yang, Zhilin and Yang, Yiming and Carbonell, Jaime and Le, Quoc V. and Salakhutdinov, Ruslan},
+  booktitle={Proceedings of ACL}, pages={2978--2988}, year={2019}
+}""",
+    "log_decay": """@inproceedings{chi2022kerple,
+  title={{KERPLE}: Kernelized Relative Positional Embedding for Length Extrapolation},
+  author={Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.},
+  booktitle={Advances in Neural Information Processing Systems}, year={2022},
+  note={the log-decay bias is the fixed (r1 = lambda, r2 = 1) case of KERPLE's logarithmic variant}
+}""",
+    "alibi": """@inproceedings{press2022alibi,
+  title={Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation},
+  author={Press, Ofir and Smith, Noah A. and Lewis, Mike},
+  booktitle={International Conference on Learning Representations}, year={2022}
+}""",
+    "rope": """@article{su2021roformer,
+  title={{RoFormer}: Enhanced Transformer with Rotary Position Embedding},
+  author={Su, Jianlin and Lu, Yu and Pan, Shengfeng and Murtadha, Ahmed and Wen, Bo and Liu, Yunfeng},
+  journal={arXiv preprint arXiv:2104.09864}, year={2021}
+}""",
+}
+BIBTEX["kerple_log"] = """@inproceedings{chi2022kerple,
+  title={{KERPLE}: Kernelized Relative Positional Embedding for Length Extrapolation},
+  author={Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.},
+  booktitle={Advances in Neural Information Processing Systems}, year={2022}
+}"""
+BIBTEX["fire"] = """@inproceedings{li2024fire,
+  title={Functional Interpolation for Relative Positions Improves Long Context Transformers},
+  author={Li, Shanda and You, Chong and Guruganesh, Guru and Ainslie, Joshua and Ontanon, Santiago and Zaheer, Manzil
+          and Sanghai, Sumit and Yang, Yiming and Kumar, Sanjiv and Bhojanapalli, Srinadh},
+  booktitle={International Conference on Learning Representations}, year={2024}
+}"""
+BIBTEX["nope"] = """@inproceedings{kazemnejad2023nope,
+  title={The Impact of Positional Encoding on Length Generalization in Transformers},
+  author={Kazemnejad, Amirhossein and Padhi, Inkit and Natesan Ramamurthy, Karthikeyan and Das, Payel and Reddy, Siva},
+  booktitle={Advances in Neural Information Processing Systems}, year={2023}
+}"""
+BIBTEX["sinusoidal"] = BIBTEX["learned"] = """@inproceedings{vaswani2017attention,
+  title={Attention Is All You Need},
+  author={Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia},
+  booktitle={Advances in Neural Information Processing Systems}, year={2017}
+}"""
+
+
+def format_ppl(value) -> str:
+    """A perplexity as a card or table shows it; inf where the scheme cannot run (past a position table)."""
+    return "∞ (cannot run: past the position table)" if math.isinf(value) else f"{value:.2f}"
+
+
+def write_model_card(folder: Path, summary: dict) -> None:
+    """README.md from the scheme's template: the exact command, the evaluation at L, 2L, 4L (and with
+    memory) as a table and as YAML ``model-index`` metrics, and the paper to cite."""
+    scheme = summary["position_encoding"]
+    L = summary["seq_len"]
+    by_length = {int(n): p for n, p in summary["test_ppl_by_length"].items()}
+    training = "\n".join(
+        [
+            f"Command: `{summary['command']}`",
+            "",
+            "| | |",
+            "| --- | --- |",
+            f"| corpus | {summary['corpus']} |",
+            f"| training tokens | {summary['train_tokens']:,} |",
+            f"| model size | preset `{summary['preset']}`, {summary['parameters']:,} parameters "
+            f"({summary['position_parameters']:,} in the position scheme) |",
+            f"| sequence length | {L} tokens" + (f", memory {summary['mem_len']}" if summary["mem_len"] else "") + " |",
+            f"| steps × batch | {summary['steps']} × {summary['batch_size']}, learning rate {summary['learning_rate']}, seed {summary['seed']} |",
+            f"| final training loss | {summary['final_train_loss']:.3f} |" if summary["final_train_loss"] else "| final training loss | n/a |",
+            f"| trained on | {summary['date']}, torch {summary['torch']}, {summary['train_seconds']} s of training in all |",
+            "",
+            f"Test perplexity ({summary['test_tokens']:,} held-out tokens, non-overlapping segments; L = {L}):",
+            "",
+            "| evaluation length | perplexity |",
+            "| --- | ---: |",
+        ]
+        + [f"| {n} ({n // L}L) | {format_ppl(p)} |" for n, p in sorted(by_length.items())]
+        + ([f"| {L} with memory {summary['mem_len']} | {summary['test_ppl_with_memory']:.2f} |"]
+           if "test_ppl_with_memory" in summary else [])
+        + ["", "Cite the scheme's paper:", "", "```bibtex", BIBTEX[scheme], "```"]
+    )
+    metrics = [(f"Perplexity at {n} tokens ({n // L}x the training length)", p) for n, p in sorted(by_length.items())]
+    if "test_ppl_with_memory" in summary:
+        metrics.append((f"Perplexity at {L} tokens with memory {summary['mem_len']}", summary["test_ppl_with_memory"]))
+    index = [
+        "model-index:",
+        f"  - name: hf_relpos-{scheme}",
+        "    results:",
+        "      - task: {type: text-generation, name: Causal language modeling}",
+        f"        dataset: {{type: text, name: {json.dumps(summary['corpus'])}}}",
+        "        metrics:",
+    ] + [
+        f"          - {{type: perplexity, name: {json.dumps(name)}, value: {json.dumps(round(value, 4)) if math.isfinite(value) else '.inf'}}}"
+        for name, value in metrics
+    ]
+    card = read_template(scheme).replace("{{training}}", training)
+    head, sep, rest = card.partition("\n---\n")  # the front matter's closing line
+    card = head + "\n" + "\n".join(index) + sep + rest
+    (folder / "README.md").write_text(card)
+
+
+def write_seq2seq_card(out: Path, src: Path, config, parity: dict, torch_version: str) -> None:
+    """README.md of a ``convert-t5`` folder: the source, the converted shape and the parity found before writing."""
+    kind = "v1.1 / Flan style (gated GELU, untied output layer)" if config.mlp_activation[1] else "v1.0 style (ReLU)"
+    provenance = "\n".join([
+        f"Converted by `hf-relpos convert-t5 {src} {out}` ({time.strftime('%Y-%m-%d')}, torch {torch_version}) from an "
+        f"upstream `T5ForConditionalGeneration`, {kind}:",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| layers | {config.num_hidden_layers} encoder, {config.num_decoder_layers} decoder |",
+        f"| width | d_model {config.hidden_size}, {config.num_attention_heads} heads × d_kv {config.head_dim}, d_ff "
+        f"{config.intermediate_size} (`{config.feed_forward_proj}`) |",
+        f"| output layer | {'tied to the token table' if config.tie_word_embeddings else 'untied'}"
+        f"{', states scaled by d_model**-0.5' if config.scale_decoder_outputs else ''} |",
+        f"| parity with the source (random padded inputs, fp32) | max abs logit difference "
+        f"{parity['max_abs_logit_diff']:.1e}; greedy {'identical' if parity['greedy_identical'] else 'different'}, "
+        f"beam search {'identical' if parity['beam_identical'] else 'different'} |",
+    ])
+    card = read_template("seq2seq")
+    for key, value in (("title", f"{src.name} converted"), ("scheme", config.position_encoding),
+                       ("provenance", provenance), ("bibtex", BIBTEX["t5_bias"])):
+        card = card.replace("{{" + key + "}}", value)
+    (out / "README.md").write_text(card)

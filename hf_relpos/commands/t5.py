@@ -1,0 +1,140 @@
+"""``hf-relpos validate-t5`` and ``hf-relpos convert-t5``: T5 parity with the installed Transformers, and an
+upstream T5 folder converted into an hf_relpos encoder-decoder folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import MODEL_FILE, RemoveIfEmptyOnFailure, is_model_folder
+from .errors import UserError
+from .model_card import write_seq2seq_card
+
+
+def validate_t5() -> bool:
+    """T5's position buckets and bias against the installed Transformers' ``T5Attention`` (exactly), then whole
+    converted models (:func:`_validate_t5_models`); prints what it checked. True when everything matches."""
+    import torch
+    import transformers
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    from ..functional import t5_position_bias, t5_relative_position_bucket
+
+    torch.manual_seed(0)
+    relative = torch.cat([torch.arange(-5000, 5001), torch.tensor([-(10**9), -(2**31 - 1), 10**6, 2**31 - 1])])
+    cases = values = mismatches = 0
+    max_error = 0.0
+    for bidirectional in (True, False):
+        for num_buckets in (4, 6, 8, 16, 31, 32, 33, 64, 128):
+            exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+            for max_distance in sorted({exact + 1, 20, 64, 128, 500, 4096} - set(range(exact + 1))):
+                ours = t5_relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+                theirs = T5Attention._relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+                cases += 1
+                values += relative.numel()
+                mismatches += int((ours != theirs).sum())
+                config = T5Config(
+                    num_heads=3, d_model=12, d_kv=4, relative_attention_num_buckets=num_buckets,
+                    relative_attention_max_distance=max_distance, is_decoder=not bidirectional,
+                )
+                attention = T5Attention(config, has_relative_attention_bias=True)
+                for query_length, key_length, past in ((7, 7, 0), (1, 300, 299), (5, 2000, 1995), (3, 9, 100)):
+                    expected = attention.compute_bias(query_length, key_length, past_seen_tokens=past)
+                    got = t5_position_bias(
+                        attention.relative_attention_bias.weight, query_length, key_length,
+                        bidirectional=bidirectional, max_distance=max_distance, past_length=past,
+                    )
+                    cases += 1
+                    values += expected.numel()
+                    error = (got - expected).abs().max().item()
+                    max_error = max(max_error, error)
+                    mismatches += int((got != expected).sum())
+    status = "OK" if mismatches == 0 else "MISMATCH"
+    print(f"T5 parity with transformers {transformers.__version__} (torch {torch.__version__}): {status}")
+    print(f"  cases: {cases}   values checked: {values:,}   mismatches: {mismatches}   max abs error: {max_error:g}")
+    return mismatches == 0 and _validate_t5_models()
+
+
+def _validate_t5_models() -> bool:
+    """Whole models: small random upstream T5s of each kind, converted by ``from_t5``, on padded inputs."""
+    from ..t5_conversion import LOGIT_TOLERANCE, T5_KINDS, from_t5, parity_holds, random_t5, t5_parity
+
+    print(f"Whole converted models (hf_relpos.from_t5) against upstream T5ForConditionalGeneration, fp32, "
+          f"tolerance {LOGIT_TOLERANCE:g} (relative to logits above 1):")
+    ok = True
+    for kind in T5_KINDS:
+        for impl in ("eager", "sdpa"):
+            upstream = random_t5(kind)
+            upstream.set_attn_implementation(impl)
+            result = t5_parity(upstream, from_t5(upstream, check=False))  # the check is reported, not raised
+            passed = parity_holds(result)
+            ok &= passed
+            print(f"  {kind:<36} {impl:>5}: max |logit diff| {result['max_abs_logit_diff']:.2e} (logits up to "
+                  f"{result['max_abs_logit']:.2f}), greedy {'identical' if result['greedy_identical'] else 'DIFFERENT'}, "
+                  f"beam {'identical' if result['beam_identical'] else 'DIFFERENT'}  {'OK' if passed else 'MISMATCH'}")
+    return ok
+
+
+def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> dict:
+    """A local upstream T5 folder (safetensors) as an hf_relpos encoder-decoder folder, with code and card; the
+    converted model is checked against the upstream one on random padded inputs before anything is written.
+    Returns that check's result (:func:`hf_relpos.t5_conversion.check_t5_parity`)."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from ..t5_conversion import check_t5_parity, from_t5
+
+    src, out = Path(src_folder), Path(out_folder)
+    if not (src / "config.json").is_file():
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds no config.json: give a local folder saved by "
+                        "T5ForConditionalGeneration.save_pretrained (nothing is downloaded)")
+    if src.resolve() == out.resolve():
+        raise UserError(f"OUT_FOLDER {str(out)!r} is SRC_FOLDER: give another folder (the source is never replaced)")
+    try:
+        config = T5Config.from_pretrained(src, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise UserError(f"SRC_FOLDER {str(src)!r}: its config.json cannot be read ({_first_line(error)})") from None
+    if getattr(config, "model_type", None) != "t5":
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds a {config.model_type!r} model; convert-t5 converts 't5' models")
+    if not any(src.glob("*.safetensors")):
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds no .safetensors weights (pickled weights are not loaded)")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"OUT_FOLDER {str(out)!r} is a file: give a folder path")
+    if out.is_dir() and any(out.iterdir()):
+        foreign = sorted(p.name for p in out.iterdir() if not MODEL_FILE.fullmatch(p.name))
+        if not is_model_folder(out) or foreign:
+            raise UserError(f"OUT_FOLDER {str(out)!r} holds files that are not an hf-relpos model "
+                            f"({', '.join((foreign or ['config.json'])[:3])}): give a new or empty folder")
+        if not overwrite:
+            raise UserError(f"OUT_FOLDER {str(out)!r} already holds an hf-relpos model: pass --overwrite to replace it")
+    with RemoveIfEmptyOnFailure(out):
+        upstream = T5ForConditionalGeneration.from_pretrained(src, local_files_only=True, use_safetensors=True)
+        upstream = upstream.float().eval()
+        converted = from_t5(upstream, check=False)
+        try:  # before anything is written: a model that differs from its source is refused, not recorded
+            parity = check_t5_parity(upstream, converted)
+        except ValueError as error:
+            raise UserError(f"{src}: {error}; nothing written") from None
+        out.mkdir(parents=True, exist_ok=True)
+        converted.save_pretrained(out)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"):
+            if (src / name).is_file():  # the source's tokenizer travels with the model
+                (out / name).write_bytes((src / name).read_bytes())
+        write_seq2seq_card(out, src, converted.config, parity, torch.__version__)
+    print(f"Converted {src} -> {out}/: logits within {parity['max_abs_logit_diff']:.1e} of the source model "
+          f"(random padded inputs, fp32); greedy {'identical' if parity['greedy_identical'] else 'DIFFERENT'}, "
+          f"beam search {'identical' if parity['beam_identical'] else 'DIFFERENT'}")
+    return parity
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def validate_t5_command(args) -> int:
+    return 0 if validate_t5() else 1
+
+
+def convert_t5_command(args) -> int:
+    convert_t5(args.src_folder, args.out_folder, overwrite=args.overwrite)
+    return 0

@@ -1,0 +1,445 @@
+"""``hf-relpos train`` and ``hf-relpos eval``: train one scheme into a Hub-ready folder; evaluate a folder.
+
+:func:`train_model` takes a :class:`TrainOptions` and returns the run's summary (also written as
+``hf_relpos_run.json`` beside the model, with a model card). Training is Transformers' ``Trainer``; Ctrl-C stops
+at the end of the current step with a resumable checkpoint (:class:`~.errors.Interrupted`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shlex
+import signal
+import time
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from .common import (
+    RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, checkpoints_dir, evaluation_name, load_folder, position_table,
+    prepare_output,
+)
+from .errors import Interrupted, UserError
+
+# The model sizes of ``--preset`` (hf_relpos_cli.PRESET_NAMES restates the names).
+PRESETS = {
+    "tiny": dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, intermediate_size=512),
+    "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
+}
+# The options that shape the model and its data, recorded in each checkpoint: a resume must give the same ones.
+RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len", "train_file", "seed", "batch_size",
+               "learning_rate")
+
+
+@dataclasses.dataclass
+class TrainOptions:
+    """What ``train`` does: the flags of ``hf-relpos train`` (same names and defaults), and two that ``compare``
+    sets for the runs it trains (``eval_factors``, ``sliding``)."""
+
+    output_dir: str = "runs/model"
+    position_encoding: str = "t5_bias"
+    preset: str = "tiny"
+    seq_len: int = 128
+    steps: int = 400
+    batch_size: int = 16
+    learning_rate: float = 2e-3
+    vocab_size: int = 2048
+    mem_len: Optional[int] = None  # Transformer-XL's memory (None: the sequence length)
+    seed: int = 0
+    train_file: Optional[Sequence[str]] = None  # None: the embedded corpus
+    eval_tokens: Optional[int] = None  # cap on held-out tokens evaluated (None: all)
+    overwrite: bool = False
+    resume: Union[bool, str, None] = None  # True: the last checkpoint; a path: that checkpoint
+    quiet: bool = False
+    eval_factors: Sequence[int] = (1, 2, 4)  # test perplexity at seq_len × each
+    sliding: bool = False  # evaluate with windows moving by seq_len tokens (compare --sliding)
+    argv: Sequence[str] = ()  # the command line (without "hf-relpos"), recorded and used in the resume hint
+
+    @classmethod
+    def from_namespace(cls, args) -> "TrainOptions":
+        """The options of a parsed ``train`` command line (attributes the command does not have keep defaults)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def train_model(options: TrainOptions) -> dict:
+    """Train one scheme on the corpus and write a Hub-ready folder. Returns the run summary."""
+    out = Path(options.output_dir)
+    if options.mem_len is not None and options.position_encoding != "transformer_xl":
+        raise UserError(
+            f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
+            f"{options.position_encoding}"
+        )
+    resume_from = prepare_output(out, overwrite=options.overwrite, resume=options.resume)
+    with RemoveIfEmptyOnFailure(out, checkpoints_dir(out)):
+        return _train(options, out, resume_from)
+
+
+def build_config(scheme: str, preset: str, seq_len: int, vocab_size: int, mem_len: Optional[int]):
+    """The model configuration of ``train``: the preset's size, what the scheme needs for ``seq_len``."""
+    from ..configuration_relpos import RelPosConfig
+
+    extra = {}
+    if scheme == "learned":
+        extra["max_position_embeddings"] = seq_len  # a learned table cannot run past what it was trained on
+    elif scheme == "sinusoidal":
+        extra["max_position_embeddings"] = max(2048, 16 * seq_len)
+    elif scheme == "transformer_xl":
+        extra["mem_len"] = seq_len if mem_len is None else mem_len
+    return RelPosConfig(position_encoding=scheme, vocab_size=vocab_size, **PRESETS[preset], **extra)
+
+
+def position_parameter_count(model) -> int:
+    """Parameters that belong to the position scheme (shared tables and per-layer relative parameters)."""
+    base = model.model
+    count = sum(p.numel() for p in base.position.parameters())
+    for layer in base.layers:
+        relative = layer.self_attn.relative
+        if relative is not None:
+            count += sum(p.numel() for p in relative.parameters())
+    return count
+
+
+def load_corpus(train_files):
+    from ..data import embedded_corpus, read_text_files
+
+    if train_files:
+        try:
+            corpus = read_text_files(train_files)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        return corpus, "user files: " + ", ".join(Path(f).name for f in train_files)
+    return embedded_corpus(), "Python's bundled documentation (pydoc_data.topics), split 85/5/10 within each topic"
+
+
+class _Progress:
+    """One progress bar for training, loss in it, each evaluation on a line of its own (not Trainer's log dicts)."""
+
+    def __new__(cls):
+        from tqdm.auto import tqdm
+        from transformers import TrainerCallback
+
+        class Progress(TrainerCallback):
+            bar = None
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                if state.is_world_process_zero:
+                    self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="training", unit="step")
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if self.bar is not None:
+                    self.bar.update(state.global_step - self.bar.n)
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if self.bar is None or not logs:
+                    return
+                if "loss" in logs:
+                    self.bar.set_postfix(loss=f"{logs['loss']:.3f}")
+                if "eval_loss" in logs:
+                    loss = logs["eval_loss"]
+                    self.bar.write(f"step {state.global_step}: validation loss {loss:.3f} (perplexity {math.exp(min(loss, 50)):.2f})")
+
+            def on_train_end(self, args, state, control, **kwargs):
+                if self.bar is not None:
+                    self.bar.close()
+
+        return Progress()
+
+
+class _Bookkeeping:
+    """Ctrl-C stops training at the end of the current step with a checkpoint; each checkpoint records the
+    training seconds so far, so that a resumed run reports its whole training time."""
+
+    def __new__(cls, previous_seconds: float, options: dict):
+        from transformers import TrainerCallback
+
+        class Bookkeeping(TrainerCallback):
+            def __init__(self):
+                self.interrupted = False
+                self.started = time.time()
+                self.previous = previous_seconds
+
+            def seconds(self) -> float:
+                return self.previous + time.time() - self.started
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if self.interrupted:
+                    control.should_save = True
+                    control.should_training_stop = True
+
+            def on_save(self, args, state, control, **kwargs):
+                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                if state.is_world_process_zero and folder.is_dir():
+                    record = {"train_seconds": round(self.seconds(), 1), "options": options}
+                    (folder / TIME_FILE).write_text(json.dumps(record))
+
+        return Bookkeeping()
+
+
+def _run_options(run: TrainOptions) -> dict:
+    options = {name: getattr(run, name) for name in RUN_OPTIONS}
+    if options["train_file"]:  # the files themselves, wherever the command runs from
+        options["train_file"] = [str(Path(f).resolve()) for f in options["train_file"]]
+    return options
+
+
+def _check_resume_options(resume_from: Path, options: dict) -> None:
+    """A resume continues the same run: the options that shape the model and data must be the checkpoint's."""
+    record = resume_from / TIME_FILE
+    saved = json.loads(record.read_text()).get("options") if record.is_file() else None
+    if not saved:
+        return  # a checkpoint from before options were recorded
+    changed = [name for name in RUN_OPTIONS if name in saved and saved[name] != options[name]]
+    if changed:
+        flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+        was = ", ".join(f"{flag(name)} {saved[name]!r}" for name in changed)
+        now = ", ".join(f"{flag(name)} {options[name]!r}" for name in changed)
+        raise UserError(
+            f"--resume: {resume_from} was trained with {was}, this command gives {now}; resume with the original "
+            "options (or train afresh with --overwrite)"
+        )
+
+
+def resume_command(argv) -> str:
+    """The command line that continues an interrupted run: this one, with ``--resume``, without ``--overwrite``."""
+    argv = [a for a in argv if a not in ("--overwrite",)]
+    if not any(a == "--resume" or a.startswith("--resume=") for a in argv):
+        argv = argv + ["--resume"]
+    return "hf-relpos " + shlex.join(argv)
+
+
+def end_process_group() -> None:
+    """Under torchrun, destroy the process group (Trainer's objects, in reference cycles, keep it alive) so that
+    gloo joins its worker threads before the interpreter finalizes: one still running then can abort the rank."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dict:
+    import torch
+    from transformers import GenerationConfig, Trainer, TrainingArguments, set_seed
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from ..data import Chunks, encode, train_tokenizer
+    from ..memory import MemoryTrainer, OrderedSegments, segment_perplexity
+    from ..modeling_relpos import RelPosForCausalLM
+    from .model_card import write_model_card
+
+    if resume_from is not None:
+        _check_resume_options(resume_from, _run_options(options))
+    set_seed(options.seed)
+    corpus, corpus_name = load_corpus(options.train_file)
+    tokenizer = train_tokenizer([corpus["train"]], vocab_size=options.vocab_size)
+    streams = {part: encode(tokenizer, text) for part, text in corpus.items()}
+    shortest = min(("train", "validation", "test"), key=lambda part: streams[part].numel())
+    if streams[shortest].numel() <= options.seq_len:
+        raise UserError(
+            f"--seq-len {options.seq_len} is longer than the data: its {shortest} split holds "
+            f"{streams[shortest].numel()} tokens; use a shorter --seq-len or more text"
+        )
+    config = build_config(options.position_encoding, options.preset, options.seq_len, len(tokenizer), options.mem_len)
+    if resume_from is not None and (resume_from / "config.json").is_file():
+        saved_vocab = json.loads((resume_from / "config.json").read_text()).get("vocab_size")
+        if saved_vocab is not None and saved_vocab != config.vocab_size:  # the same options, other text on disk
+            raise UserError(
+                f"--resume: {resume_from} holds a model of {saved_vocab} tokens, but this command's data gives a "
+                f"vocabulary of {config.vocab_size}: the training text changed since; resume with the original text"
+            )
+    model = RelPosForCausalLM(config)
+
+    with_memory = config.position_encoding == "transformer_xl" and config.mem_len > 0
+    if with_memory:
+        train_set = OrderedSegments(streams["train"], options.batch_size, options.seq_len)
+        eval_set = OrderedSegments(streams["validation"][: 64 * options.seq_len], options.batch_size, options.seq_len)
+        trainer_class = MemoryTrainer
+    else:
+        train_set = Chunks(streams["train"], options.seq_len)
+        eval_set = Chunks(streams["validation"], options.seq_len, limit=64)
+        trainer_class = Trainer
+    eval_steps = max(1, options.steps // 4)
+    distributed_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    training_args = TrainingArguments(
+        output_dir=str(checkpoints_dir(out)),  # keeps the model folder Hub-ready
+        max_steps=options.steps,
+        per_device_train_batch_size=options.batch_size,
+        per_device_eval_batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, options.steps // 20),
+        weight_decay=0.01,
+        logging_steps=max(1, options.steps // 20),
+        eval_strategy="steps",
+        eval_steps=eval_steps,
+        save_strategy="steps",
+        save_steps=eval_steps,
+        save_total_limit=1,
+        report_to=[],
+        seed=options.seed,
+        dataloader_pin_memory=False,
+        disable_tqdm=True,  # our own bar (_Progress) instead of Trainer's bar and raw log dicts
+        # Under torchrun, Transformer-XL's ordered batches are split by rows so each rank keeps its rows.
+        accelerator_config={"split_batches": True} if with_memory and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        # torchrun on CPU-only machines: DDP over gloo (Transformers would otherwise run each rank alone).
+        use_cpu=distributed_cpu,
+        ddp_backend="gloo" if distributed_cpu else None,
+    )
+    trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set)
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    if not options.quiet:
+        trainer.add_callback(_Progress())
+    previous = 0.0
+    if resume_from is not None and (resume_from / TIME_FILE).is_file():
+        previous = json.loads((resume_from / TIME_FILE).read_text())["train_seconds"]
+    book = _Bookkeeping(previous, _run_options(options))
+    trainer.add_callback(book)
+
+    def on_interrupt(signum, frame):
+        if book.interrupted:  # a second Ctrl-C: stop now, without a checkpoint
+            raise KeyboardInterrupt
+        book.interrupted = True
+
+    handler = signal.signal(signal.SIGINT, on_interrupt) if _main_thread() else None
+    try:
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
+    seconds = book.seconds()
+    if book.interrupted:
+        checkpoint = checkpoints_dir(out) / f"checkpoint-{trainer.state.global_step}"
+        raise Interrupted(
+            f"interrupted at step {trainer.state.global_step} of {options.steps}; checkpoint saved in {checkpoint}.",
+            resume_command(options.argv),
+        )
+    if not trainer.is_world_process_zero():  # under torchrun, rank 0 alone writes the folder
+        return {}
+
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=64
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    test = streams["test"]
+    max_tokens = options.eval_tokens
+    stride = options.seq_len if options.sliding else None
+    ppl = evaluate_lengths(model, test, [options.seq_len * f for f in options.eval_factors], max_tokens, stride=stride)
+    summary = {
+        "command": "hf-relpos " + shlex.join(options.argv),
+        "position_encoding": config.position_encoding,
+        "preset": options.preset,
+        "seq_len": options.seq_len,
+        "mem_len": config.mem_len,
+        "steps": options.steps,
+        "batch_size": options.batch_size,
+        "processes": training_args.world_size,
+        "learning_rate": options.learning_rate,
+        "seed": options.seed,
+        "corpus": corpus_name,
+        "train_tokens": int(streams["train"].numel()),
+        "test_tokens": int(min(test.numel(), max_tokens or test.numel())),
+        "vocab_size": len(tokenizer),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "position_parameters": position_parameter_count(model),
+        "train_seconds": round(seconds, 1),
+        "final_train_loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+        "test_ppl": ppl[options.seq_len],
+        "test_ppl_by_length": {str(n): p for n, p in ppl.items()},
+        "evaluation": evaluation_name(options.seq_len, options.sliding),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if with_memory:
+        summary["test_ppl_with_memory"] = segment_perplexity(model, test, options.seq_len, max_tokens=max_tokens)
+    (out / RUN_FILE).write_text(json.dumps(summary, indent=2))
+    write_model_card(out, summary)
+    line = f"Saved to {out}/ — test perplexity at length {options.seq_len}: {summary['test_ppl']:.2f}"
+    if with_memory:
+        line += f" ({summary['test_ppl_with_memory']:.2f} with memory {config.mem_len})"
+    print(line)
+    return summary
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def evaluate_lengths(model, stream, lengths, max_tokens=None, stride=None) -> dict:
+    """Perplexity at each evaluation length: independent segments, or sliding windows moving by ``stride``
+    tokens (each scores its last ``stride`` tokens); inf where the scheme cannot run."""
+    from ..memory import segment_perplexity, sliding_perplexity
+
+    result = {}
+    for length in lengths:
+        try:
+            if stride is None or stride >= length:
+                result[length] = segment_perplexity(model, stream, length, use_memory=False, max_tokens=max_tokens)
+            else:
+                result[length] = sliding_perplexity(model, stream, length, stride, max_tokens=max_tokens)
+        except ValueError as error:
+            if "max_position_embeddings" not in str(error):
+                raise
+            result[length] = math.inf  # a learned position table ends before this length
+    return result
+
+
+def evaluate_folder(folder: str, *, seq_len: Optional[int] = None, factors: Sequence[int] = (1, 2, 4),
+                    eval_file: Optional[Sequence[str]] = None, eval_tokens: Optional[int] = None) -> dict:
+    """Perplexity of a trained folder's model on held-out text at ``seq_len`` × each factor (and with memory for
+    Transformer-XL): ``{"ppl@<n>": value, ...}``. ``seq_len`` defaults to the training length of its record."""
+    from ..data import embedded_corpus, encode, read_text_files
+    from ..memory import segment_perplexity
+
+    model, tokenizer = load_folder(folder)
+    run_file = Path(folder) / RUN_FILE
+    run = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    seq_len = seq_len or run.get("seq_len")
+    if not seq_len:
+        raise UserError(f"--seq-len is needed: {run_file} (the training record) is missing")
+    table = position_table(model.config)
+    if table is not None and seq_len > table:
+        raise UserError(
+            f"--seq-len {seq_len} is longer than the {model.config.position_encoding} position table "
+            f"(max_position_embeddings={table})"
+        )
+    if eval_file:
+        try:
+            text = read_text_files(eval_file, flag="--eval-file")["test"]
+        except ValueError as error:
+            raise UserError(str(error)) from None
+    else:
+        text = embedded_corpus()["test"]
+    stream = encode(tokenizer, text)
+    if stream.numel() <= seq_len:
+        raise UserError(f"--seq-len {seq_len} is longer than the evaluated text ({stream.numel()} tokens)")
+    lengths = [seq_len * f for f in factors]
+    result = {f"ppl@{n}": p for n, p in evaluate_lengths(model, stream, lengths, eval_tokens).items()}
+    if getattr(model.config, "mem_len", 0) > 0:
+        result[f"ppl@{seq_len}+memory{model.config.mem_len}"] = segment_perplexity(
+            model, stream, seq_len, use_memory=True, max_tokens=eval_tokens
+        )
+    return result
+
+
+def train_command(args) -> int:
+    try:
+        train_model(TrainOptions.from_namespace(args))
+    finally:  # here, not in train_model(): compare under torchrun trains several models in one process group
+        end_process_group()
+    return 0
+
+
+def eval_command(args) -> int:
+    result = evaluate_folder(args.folder, seq_len=args.seq_len, factors=args.factors, eval_file=args.eval_file,
+                             eval_tokens=args.eval_tokens)
+    for name, value in result.items():
+        print(f"{name:>24}: {value:.2f}")
+    return 0
