@@ -5,9 +5,10 @@ scheme's seam, cross-attention), the decoder layer, the pre-trained base, ``RelP
 (causal LM, sequence classification, encoder-decoder). The schemes themselves, ``PositionContext`` and the
 eager attention kernel live in ``position_schemes.py``.
 
-Positions come from one place: ``RelPosModel.forward`` reads the query offset and the key range
-from the cache (and the Transformer-XL memory) before the first layer, asks the scheme for its
-per-forward term once, and hands both to every layer.
+Positions come from one place: ``RelPosModel.forward`` checks its inputs (``_check_inputs``), then
+``PositionContext.from_inputs`` reads the query offset and the key range from the cache (and the
+Transformer-XL memory) before the first layer and builds the mask from Transformers' mask functions; the
+forward asks the scheme for its per-forward term once and hands both to every layer.
 """
 
 import inspect
