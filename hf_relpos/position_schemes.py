@@ -128,7 +128,9 @@ def self_attention_mask(
     Transformers' mask functions (padding, packed documents, a causal ``i - j < W`` or bidirectional
     ``|i - j| <= W`` window) joined by ``and_masks`` and rendered by its boolean renderer ``sdpa_mask``, for
     every attention implementation: the schemes merge the mask with their own terms. Own code for what
-    ``create_causal_mask`` / ``create_bidirectional_mask`` do otherwise:
+    ``create_causal_mask`` / ``create_bidirectional_mask`` do otherwise (the padding rides in ``sdpa_mask``'s
+    ``attention_mask``, its ``padding_mask_function``):
+
     - causality stays out (``PositionContext.causal``): with nothing else masked the mask is None and the
       fused causal kernels stay available (``create_causal_mask`` materialises causality under eager and as
       soon as an extra mask function joins, and for every batch row);
@@ -138,7 +140,8 @@ def self_attention_mask(
       of: they are always visible, unless the 2-D mask has columns for them;
     - a prepared 4-D mask (generate's, for static caches) is taken as it is, a float one read as bool.
     """
-    prepared, padding = (attention_mask, None) if attention_mask is not None and attention_mask.dim() == 4 else (None, attention_mask)
+    prepared = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
+    padding = attention_mask if prepared is None else None
     if prepared is not None and prepared.dtype != torch.bool:
         prepared = prepared > torch.finfo(prepared.dtype).min / 2
     if padding is not None:
