@@ -5,9 +5,10 @@ scheme's seam, cross-attention), the decoder layer, the pre-trained base, ``RelP
 (causal LM, sequence classification, encoder-decoder). The schemes themselves, ``PositionContext`` and the
 eager attention kernel live in ``position_schemes.py``.
 
-Positions come from one place: ``RelPosModel.forward`` reads the query offset and the key range
-from the cache (and the Transformer-XL memory) before the first layer, asks the scheme for its
-per-forward term once, and hands both to every layer.
+Positions come from one place: ``RelPosModel.forward`` checks its inputs (``_check_inputs``), then
+``PositionContext.from_inputs`` reads the query offset and the key range from the cache (and the
+Transformer-XL memory) before the first layer and builds the mask from Transformers' mask functions; the
+forward asks the scheme for its per-forward term once and hands both to every layer.
 """
 
 import inspect
@@ -23,7 +24,6 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_bidirectional_mask, create_causal_mask, find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -41,13 +41,15 @@ from transformers.utils.output_capturing import capture_outputs
 from .configuration_relpos import RelPosConfig
 from .position_schemes import (
     POSITION_SCHEMES,
-    AbsoluteScheme,
     FireScheme,
     KerpleLogScheme,
     PositionContext,
     ShawRelative,
     TransformerXLRelative,
+    cache_offsets,
     eager_attention_forward,
+    is_fresh,
+    unpadded,
 )
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -457,7 +459,71 @@ class RelPosModel(RelPosPreTrainedModel):
 
     # -- input checks: every one runs before any state (cache, memory) changes ---------------
 
-    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, cache, mems, position_ids):
+    def _check_inputs(
+        self, input_ids, inputs_embeds, attention_mask, position_ids, cache, mems, encoder_hidden_states,
+        encoder_attention_mask, kwargs,
+    ) -> None:
+        """Every check of ``forward``'s arguments, in the order they are read; a host read of a tensor's values
+        runs in eager calls only (``torch.compiler.is_compiling()``), so a traced graph keeps none."""
+        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS)
+        self._check_model_kwargs(kwargs)
+        self._check_setup(cache)
+        batch, length = self._check_tokens(input_ids, inputs_embeds)
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        past = self._check_cache(self_cache, batch)
+        mem_length = self._check_mems(mems, self_cache, past, batch)
+        self._check_mask(attention_mask, self_cache, mems, batch, length, past, mem_length)
+        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != length):
+            raise ValueError(f"position_ids must be [batch, seq_len={length}], got shape {tuple(position_ids.shape)}")
+        self._check_encoder(encoder_hidden_states, encoder_attention_mask, batch)
+        self._check_packing(kwargs, attention_mask, self_cache, batch, length, mem_length)
+
+    def _check_model_kwargs(self, kwargs: dict) -> None:
+        """Transformers' model keyword arguments that these models cannot honour in every value: refused when
+        they ask for something else than what the model does, never dropped."""
+        is_causal = kwargs.get("is_causal")
+        if is_causal is not None and bool(is_causal) != bool(self.config.is_decoder):
+            raise ValueError(
+                f"is_causal={is_causal!r}: this model's attention is {'causal' if self.config.is_decoder else 'bidirectional'}"
+                f" (config.is_decoder={self.config.is_decoder}); build the model with the other is_decoder instead"
+            )
+        segments = kwargs.get("token_type_ids")
+        if segments is not None and not torch.compiler.is_compiling() and bool(segments.any()):
+            raise ValueError(
+                "token_type_ids with a segment other than 0: hf_relpos models have no segment embeddings (a "
+                "tokenizer's one-segment token_type_ids, all 0, are accepted)"
+            )
+        if kwargs.get("output_router_logits"):
+            raise ValueError("output_router_logits=True: hf_relpos models have no mixture-of-experts router")
+        q, k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if k is not None and not torch.compiler.is_compiling() and (q is None or not torch.equal(q.cpu(), k.cpu())):
+            raise ValueError(
+                "cu_seq_lens_k must equal cu_seq_lens_q (packed sequences whose keys are their own tokens), got "
+                f"cu_seq_lens_q={None if q is None else q.tolist()}, cu_seq_lens_k={k.tolist()}"
+            )
+
+    def _check_setup(self, cache) -> None:
+        """The cache's kind, the attention implementation, and a cache under activation checkpointing."""
+        if isinstance(cache, EncoderDecoderCache) and not (self.config.is_encoder_decoder and self.config.is_decoder):
+            raise ValueError("an EncoderDecoderCache is for an encoder-decoder's decoder; this stack has no cross-attention")
+        impl = self.config._attn_implementation or "eager"
+        if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attn_implementation must be one of {list(SUPPORTED_ATTN_IMPLEMENTATIONS)} for hf_relpos, got {impl!r}"
+            )
+        if cache is not None and self._checkpointing():
+            # A checkpointed layer runs twice (forward, then again in backward): a cache would take its keys twice.
+            raise ValueError(
+                "a cache (cache= / past_key_values=) cannot be used with activation checkpointing in training: a "
+                "checkpointed layer runs again in backward and would add its keys twice. Pass no cache, or "
+                "disable checkpointing (model.gradient_checkpointing_disable())"
+            )
+
+    def _checkpointing(self) -> bool:
+        return self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+
+    def _check_tokens(self, input_ids, inputs_embeds) -> tuple[int, int]:
+        """Exactly one of ids (in the vocabulary) or embeddings, of at least one token: ``(batch, seq_len)``."""
         config = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
@@ -484,70 +550,77 @@ class RelPosModel(RelPosPreTrainedModel):
         if batch == 0 or length == 0:
             what = "input_ids" if input_ids is not None else "inputs_embeds"
             raise ValueError(f"{what} must hold at least one sequence of at least one token, got batch={batch}, seq_len={length}")
+        return batch, length
 
-        past = 0
-        if cache is not None:
-            if not isinstance(cache, Cache):
+    def _check_cache(self, cache, batch: int) -> Optional[int]:
+        """A Transformers cache of this configuration: the tokens it holds (None in a traced graph, where a
+        static cache's length is a tensor; 0 without a cache)."""
+        config = self.config
+        if cache is None:
+            return 0
+        if not isinstance(cache, Cache):
+            raise ValueError(
+                f"cache (past_key_values) must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
+            )
+        if len(cache.layers) > config.num_hidden_layers or (
+            len(cache.layers) != config.num_hidden_layers and cache.get_seq_length() > 0
+        ):
+            raise ValueError(
+                f"cache (past_key_values) has {len(cache.layers)} layers, this model has num_hidden_layers="
+                f"{config.num_hidden_layers}: the cache comes from a different configuration"
+            )
+        layer = cache.layers[0] if len(cache.layers) else None
+        keys = getattr(layer, "keys", None)
+        if layer is not None and getattr(layer, "is_initialized", False) and keys is not None and keys.numel():
+            expected = (batch, config.num_attention_heads, config.head_dim)
+            got = (keys.shape[0], keys.shape[1], keys.shape[3])
+            if got != expected:
                 raise ValueError(
-                    f"cache (past_key_values) must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
+                    f"cache (past_key_values) holds keys of [batch, heads, head_dim] = {list(got)}, expected {list(expected)} "
+                    "for this input and configuration"
                 )
-            if len(cache.layers) > config.num_hidden_layers or (
-                len(cache.layers) != config.num_hidden_layers and cache.get_seq_length() > 0
+        # A static cache's length is a tensor in a traced graph: checks that read it on the host run in eager
+        # calls only, as the token-id range check does.
+        return None if torch.compiler.is_compiling() else int(cache.get_seq_length())
+
+    def _check_mems(self, mems, cache, past: Optional[int], batch: int) -> int:
+        """Transformer-XL memories, one ``[batch, mem <= mem_len, hidden_size]`` per layer: their length (0 without)."""
+        config = self.config
+        if mems is None:
+            return 0
+        if config.mem_len == 0 or config.position_encoding != "transformer_xl":
+            raise ValueError(
+                "mems is only accepted by position_encoding='transformer_xl' with mem_len > 0, got "
+                f"position_encoding={config.position_encoding!r}, mem_len={config.mem_len}"
+            )
+        if cache is not None and past:
+            raise ValueError("mems and a filled cache (past_key_values) cannot be combined: use one kind of memory")
+        if not isinstance(mems, (list, tuple)) or len(mems) != config.num_hidden_layers:
+            got = len(mems) if isinstance(mems, (list, tuple)) else type(mems).__name__
+            raise ValueError(f"mems must be a list of num_hidden_layers={config.num_hidden_layers} tensors, got {got}")
+        first = mems[0]
+        mem_length = first.shape[1] if isinstance(first, torch.Tensor) and first.dim() == 3 else -1
+        dtype = self.embed_tokens.weight.dtype
+        for layer_idx, mem in enumerate(mems):
+            if isinstance(mem, torch.Tensor) and mem.dtype != dtype:
+                raise ValueError(f"mems[{layer_idx}] must have the model's dtype {dtype}, got {mem.dtype}")
+            if (
+                not isinstance(mem, torch.Tensor)
+                or mem.dim() != 3
+                or mem.shape[0] != batch
+                or mem.shape[1] != mem_length
+                or mem.shape[2] != config.hidden_size
+                or mem_length > config.mem_len
             ):
+                got = tuple(mem.shape) if isinstance(mem, torch.Tensor) else type(mem).__name__
                 raise ValueError(
-                    f"cache (past_key_values) has {len(cache.layers)} layers, this model has num_hidden_layers="
-                    f"{config.num_hidden_layers}: the cache comes from a different configuration"
+                    f"mems[{layer_idx}] must be [batch={batch}, mem <= mem_len={config.mem_len}, "
+                    f"hidden_size={config.hidden_size}] (all layers the same length), got {got}"
                 )
-            layer = cache.layers[0] if len(cache.layers) else None
-            keys = getattr(layer, "keys", None)
-            if layer is not None and getattr(layer, "is_initialized", False) and keys is not None and keys.numel():
-                expected = (batch, config.num_attention_heads, config.head_dim)
-                got = (keys.shape[0], keys.shape[1], keys.shape[3])
-                if got != expected:
-                    raise ValueError(
-                        f"cache (past_key_values) holds keys of [batch, heads, head_dim] = {list(got)}, expected {list(expected)} "
-                        "for this input and configuration"
-                    )
-            past = cache.get_seq_length()
-            if torch.compiler.is_compiling():
-                # A static cache's length is a tensor in a traced graph: checks that read it on the host
-                # run in eager calls only, as the token-id range check does.
-                past = None
-            else:
-                past = int(past)
+        return mem_length
 
-        mem_length = 0
-        if mems is not None:
-            if config.mem_len == 0 or config.position_encoding != "transformer_xl":
-                raise ValueError(
-                    "mems is only accepted by position_encoding='transformer_xl' with mem_len > 0, got "
-                    f"position_encoding={config.position_encoding!r}, mem_len={config.mem_len}"
-                )
-            if cache is not None and past:
-                raise ValueError("mems and a filled cache (past_key_values) cannot be combined: use one kind of memory")
-            if not isinstance(mems, (list, tuple)) or len(mems) != config.num_hidden_layers:
-                got = len(mems) if isinstance(mems, (list, tuple)) else type(mems).__name__
-                raise ValueError(f"mems must be a list of num_hidden_layers={config.num_hidden_layers} tensors, got {got}")
-            first = mems[0]
-            mem_length = first.shape[1] if isinstance(first, torch.Tensor) and first.dim() == 3 else -1
-            dtype = self.embed_tokens.weight.dtype
-            for layer_idx, mem in enumerate(mems):
-                if isinstance(mem, torch.Tensor) and mem.dtype != dtype:
-                    raise ValueError(f"mems[{layer_idx}] must have the model's dtype {dtype}, got {mem.dtype}")
-                if (
-                    not isinstance(mem, torch.Tensor)
-                    or mem.dim() != 3
-                    or mem.shape[0] != batch
-                    or mem.shape[1] != mem_length
-                    or mem.shape[2] != config.hidden_size
-                    or mem_length > config.mem_len
-                ):
-                    got = tuple(mem.shape) if isinstance(mem, torch.Tensor) else type(mem).__name__
-                    raise ValueError(
-                        f"mems[{layer_idx}] must be [batch={batch}, mem <= mem_len={config.mem_len}, "
-                        f"hidden_size={config.hidden_size}] (all layers the same length), got {got}"
-                    )
-
+    def _check_mask(self, attention_mask, cache, mems, batch: int, length: int, past: Optional[int], mem_length: int):
+        """A 2-D padding mask over past (and memory) and current tokens, or a prepared 4-D one."""
         if attention_mask is not None and attention_mask.dim() == 4:
             # A prepared 4-D mask (generate builds one for static caches): [batch, 1, seq_len, keys].
             keys = cache.get_mask_sizes(length, 0)[0] if cache is not None else length
@@ -568,33 +641,51 @@ class RelPosModel(RelPosPreTrainedModel):
                     f"attention_mask must be {allowed} (past + current tokens), got shape {tuple(attention_mask.shape)}"
                 )
 
-        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != length):
-            raise ValueError(f"position_ids must be [batch, seq_len={length}], got shape {tuple(position_ids.shape)}")
-        return batch, length, past, mem_length
+    def _check_encoder(self, encoder_hidden_states, encoder_attention_mask, batch: int) -> None:
+        """An encoder-decoder's decoder takes the encoder's states ``[batch, source_len, hidden_size]`` (and their
+        ``[batch, source_len]`` mask); any other stack takes none."""
+        if not (self.config.is_encoder_decoder and self.config.is_decoder):
+            if encoder_hidden_states is not None:
+                raise ValueError("encoder_hidden_states are for an encoder-decoder's decoder (is_encoder_decoder=True)")
+            return
+        hidden = self.config.hidden_size
+        if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3 or (
+            encoder_hidden_states.shape[0] != batch or encoder_hidden_states.shape[2] != hidden
+        ):
+            got = tuple(encoder_hidden_states.shape) if isinstance(encoder_hidden_states, torch.Tensor) else encoder_hidden_states
+            raise ValueError(f"encoder_hidden_states must be [batch={batch}, source_len, hidden_size={hidden}], got {got}")
+        source = encoder_hidden_states.shape[1]
+        if encoder_attention_mask is not None and (
+            encoder_attention_mask.dim() != 2 or tuple(encoder_attention_mask.shape) != (batch, source)
+        ):
+            raise ValueError(
+                f"encoder_attention_mask (the source's attention_mask) must be [batch={batch}, source_len={source}], "
+                f"got shape {tuple(encoder_attention_mask.shape)}"
+            )
 
-    def _check_model_kwargs(self, kwargs: dict) -> None:
-        """Transformers' model keyword arguments that these models cannot honour in every value: refused when
-        they ask for something else than what the model does, never dropped."""
-        is_causal = kwargs.get("is_causal")
-        if is_causal is not None and bool(is_causal) != bool(self.config.is_decoder):
+    def _check_packing(self, kwargs, attention_mask, cache, batch: int, length: int, mem_length: int) -> None:
+        """``cu_seq_lens_q`` / ``seq_idx`` (packed sequences) describe this row's documents, in a forward with
+        nothing else to go by."""
+        cu_seq_lens, seq_idx = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx")
+        if cu_seq_lens is not None:
+            if batch != 1 or (not torch.compiler.is_compiling() and int(cu_seq_lens[-1]) != length):
+                raise ValueError(
+                    f"cu_seq_lens_q must hold cumulative document lengths ending at seq_len={length} of one packed "
+                    f"row (batch 1), got {cu_seq_lens.tolist()} with batch={batch}"
+                )
+        elif seq_idx is not None:
+            if tuple(seq_idx.shape) != (batch, length):
+                raise ValueError(f"seq_idx must be [batch={batch}, seq_len={length}], got {tuple(seq_idx.shape)}")
+        else:
+            return
+        q_offset, kv_length, _ = cache_offsets(cache, length)
+        if not (is_fresh(q_offset, kv_length, length, mem_length) and unpadded(attention_mask)):
             raise ValueError(
-                f"is_causal={is_causal!r}: this model's attention is {'causal' if self.config.is_decoder else 'bidirectional'}"
-                f" (config.is_decoder={self.config.is_decoder}); build the model with the other is_decoder instead"
+                "cu_seq_lens_q / seq_idx (packed sequences) need a forward without a cache, mems or an "
+                "attention_mask with padding"
             )
-        segments = kwargs.get("token_type_ids")
-        if segments is not None and not torch.compiler.is_compiling() and bool(segments.any()):
-            raise ValueError(
-                "token_type_ids with a segment other than 0: hf_relpos models have no segment embeddings (a "
-                "tokenizer's one-segment token_type_ids, all 0, are accepted)"
-            )
-        if kwargs.get("output_router_logits"):
-            raise ValueError("output_router_logits=True: hf_relpos models have no mixture-of-experts router")
-        q, k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        if k is not None and not torch.compiler.is_compiling() and (q is None or not torch.equal(q.cpu(), k.cpu())):
-            raise ValueError(
-                "cu_seq_lens_k must equal cu_seq_lens_q (packed sequences whose keys are their own tokens), got "
-                f"cu_seq_lens_q={None if q is None else q.tolist()}, cu_seq_lens_k={k.tolist()}"
-            )
+
+    # -- the forward ---------------------------------------------------------------------------
 
     @capture_outputs
     def forward(
@@ -622,40 +713,18 @@ class RelPosModel(RelPosPreTrainedModel):
         The cache is ``cache`` (Transformers 5.24's name) or ``past_key_values`` (its name before); a keyword
         argument that is neither named here nor one of Transformers' model keyword arguments is a ``TypeError``."""
         config = self.config
-        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS)
-        self._check_model_kwargs(kwargs)
-        cross = config.is_encoder_decoder and config.is_decoder
         cache = _one_cache(cache, past_key_values)
-        self_cache = cache  # the cache that holds the positions: an encoder-decoder's self-attention part
-        if isinstance(cache, EncoderDecoderCache):
-            if not cross:
-                raise ValueError("an EncoderDecoderCache is for an encoder-decoder's decoder; this stack has no cross-attention")
-            self_cache = cache.self_attention_cache
-        impl = config._attn_implementation or "eager"
-        if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
-            raise ValueError(
-                f"attn_implementation must be one of {list(SUPPORTED_ATTN_IMPLEMENTATIONS)} for hf_relpos, got {impl!r}"
-            )
-        use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            # A checkpointed layer runs twice (forward, then again in backward): a cache would take its keys twice.
-            if cache is not None:
-                raise ValueError(
-                    "a cache (cache= / past_key_values=) cannot be used with activation checkpointing in training: a "
-                    "checkpointed layer runs again in backward and would add its keys twice. Pass no cache, or "
-                    "disable checkpointing (model.gradient_checkpointing_disable())"
-                )
-            use_cache = False
-        batch, length, past, mem_length = self._check_inputs(
-            input_ids, inputs_embeds, attention_mask, self_cache, mems, position_ids
+        self._check_inputs(
+            input_ids, inputs_embeds, attention_mask, position_ids, cache, mems, encoder_hidden_states,
+            encoder_attention_mask, kwargs,
         )
-        encoder_mask = self._encoder_mask(encoder_hidden_states, encoder_attention_mask, batch) if cross else None
-        if encoder_hidden_states is not None and not cross:
-            raise ValueError("encoder_hidden_states are for an encoder-decoder's decoder (is_encoder_decoder=True)")
-        output_attentions = kwargs.get("output_attentions")
-        output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
-        if mems is not None and config.mem_len and use_cache and self_cache is None:
-            use_cache = False  # Transformer-XL memory replaces the cache within a forward with mems
+        cross = config.is_encoder_decoder and config.is_decoder
+        # The cache that holds the positions: an encoder-decoder's self-attention part.
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        if use_cache is None:
+            use_cache = config.use_cache and not self.training
+        # A checkpointed layer would add its keys twice; Transformer-XL memory replaces the cache within a forward.
+        use_cache = use_cache and not self._checkpointing() and not (mems is not None and self_cache is None)
         if use_cache and self_cache is None:
             self_cache = DynamicCache(config=config)
             # The cross-attention cache holds the whole source: no window, whatever the config's sliding_window.
@@ -663,64 +732,15 @@ class RelPosModel(RelPosPreTrainedModel):
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        device = inputs_embeds.device
-
-        # Where the queries and keys sit, read once from the cache before any layer updates it.
-        if self_cache is not None:
-            q_offset = self_cache.get_query_offset(0)
-            kv_length, kv_offset = self_cache.get_mask_sizes(length, 0)
-            if not torch.compiler.is_compiling():  # a static cache's tensors, read once (traced: kept tensors)
-                q_offset, kv_length, kv_offset = int(q_offset), int(kv_length), int(kv_offset)
-        else:
-            q_offset, kv_length, kv_offset = 0, length, 0
-        fresh = isinstance(q_offset, int) and q_offset == 0 and kv_length == length and not mem_length
-        documents = self._packed_documents(
-            kwargs, position_ids, attention_mask, fresh=fresh, batch=batch, length=length, device=device,
+        output_attentions = kwargs.get("output_attentions")
+        ctx = PositionContext.from_inputs(
+            config, self.position, inputs_embeds, attention_mask, position_ids, self_cache, mems, kwargs,
+            attn_implementation=config._attn_implementation or "eager",
+            output_attentions=bool(config.output_attentions if output_attentions is None else output_attentions),
         )
-        if position_ids is None and documents is not None:  # packed by cu_seq_lens_q / seq_idx alone
-            token = torch.arange(length, device=device).expand(batch, -1)
-            first = torch.ones_like(documents, dtype=torch.bool)
-            first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-            position_ids = token - torch.where(first, token, 0).cummax(-1).values
-        elif position_ids is None:
-            position_ids = (torch.arange(length, device=device) + q_offset)[None]
-        if isinstance(self.position, AbsoluteScheme) and length and not torch.compiler.is_compiling():
-            last = int(position_ids.max())
-            if last >= config.max_position_embeddings or int(position_ids.min()) < 0:
-                raise ValueError(
-                    f"position {last} is past max_position_embeddings={config.max_position_embeddings} of the "
-                    f"{config.position_encoding!r} position table: inputs (with cache) may hold at most "
-                    f"{config.max_position_embeddings} tokens"
-                )
-
-        mask = self._bool_mask(inputs_embeds, attention_mask, self_cache, position_ids, mem_length)
-        if documents is not None:
-            same = (documents[:, :, None] == documents[:, None, :])[:, None]
-            mask = same if mask is None else mask & same
-        if config.sliding_window is not None and mems is None:
-            window = self._window_mask(length, kv_length, q_offset - kv_offset, device)
-            mask = window if mask is None else mask & window
-        ctx = PositionContext(
-            query_length=length,
-            key_length=mem_length + kv_length,
-            q_offset=q_offset,
-            past_length=mem_length + q_offset - kv_offset,
-            causal=config.is_decoder,
-            mask=mask,
-            position_ids=position_ids,
-            # Attention probabilities exist only on the materialising (eager) paths: take them when asked.
-            attn_implementation="eager" if output_attentions else impl,
-            output_attentions=output_attentions,
-            alive=None,
-            scheme=self.position,
-        )
-        ctx.alive = ctx.live_rows(device)
-        if mask is not None and documents is None and attention_mask is not None:
-            if fresh and attention_mask.dim() == 2 and config.sliding_window is None:
-                ctx.key_mask = attention_mask.bool()[:, None, None, :]
-
+        encoder_mask = _key_padding_mask(encoder_attention_mask) if cross else None
         hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
-        term = self.position(ctx, device, hidden_states.dtype)
+        term = self.position(ctx, inputs_embeds.device, hidden_states.dtype)
 
         new_mems = [] if config.mem_len > 0 else None
         for layer_idx, layer in enumerate(self.layers):
@@ -735,83 +755,10 @@ class RelPosModel(RelPosPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if config.is_encoder_decoder:  # T5's stacks drop their normed output (decoder-only models do not)
             hidden_states = self.dropout(hidden_states)
+        outputs = {"last_hidden_state": hidden_states, CACHE_FIELD: cache if use_cache else None}
         if cross:
-            return BaseModelOutputWithPastAndCrossAttentions(
-                last_hidden_state=hidden_states, **{CACHE_FIELD: cache if use_cache else None}
-            )
-        return RelPosModelOutput(last_hidden_state=hidden_states, mems=new_mems, **{CACHE_FIELD: cache if use_cache else None})
-
-    def _encoder_mask(self, encoder_hidden_states, encoder_attention_mask, batch) -> Optional[torch.Tensor]:
-        """The decoder's view of the source: bool ``[B, 1, 1, S]`` (True = may attend), None when nothing is padding."""
-        hidden = self.config.hidden_size
-        if not isinstance(encoder_hidden_states, torch.Tensor) or encoder_hidden_states.dim() != 3 or (
-            encoder_hidden_states.shape[0] != batch or encoder_hidden_states.shape[2] != hidden
-        ):
-            got = tuple(encoder_hidden_states.shape) if isinstance(encoder_hidden_states, torch.Tensor) else encoder_hidden_states
-            raise ValueError(f"encoder_hidden_states must be [batch={batch}, source_len, hidden_size={hidden}], got {got}")
-        if encoder_attention_mask is None:
-            return None
-        source = encoder_hidden_states.shape[1]
-        if encoder_attention_mask.dim() != 2 or tuple(encoder_attention_mask.shape) != (batch, source):
-            raise ValueError(
-                f"encoder_attention_mask (the source's attention_mask) must be [batch={batch}, source_len={source}], "
-                f"got shape {tuple(encoder_attention_mask.shape)}"
-            )
-        if not torch.compiler.is_compiling() and bool(encoder_attention_mask.all()):
-            return None
-        return encoder_attention_mask.bool()[:, None, None, :]
-
-    def _window_mask(self, length: int, kv_length: int, offset: int, device) -> torch.Tensor:
-        """``[1, 1, Q, K]`` bool sliding window, as Transformers' masks: causal ``i - j < W``, bidirectional
-        ``|i - j| <= W``. Transformer-XL's memory (without explicit ``mems``) is a window on the past only,
-        so that cached decoding (a sliding cache) and uncached forwards see the same keys."""
-        config = self.config
-        i = torch.arange(length, device=device)[:, None] + offset
-        j = torch.arange(kv_length, device=device)[None, :]
-        if config.is_decoder or config.memory_window is not None:
-            window = i - j < config.sliding_window
-        else:
-            window = (i - j).abs() <= config.sliding_window
-        return window[None, None]
-
-    def _packed_documents(self, kwargs, position_ids, attention_mask, *, fresh, batch, length, device):
-        """``[B, Q]`` document index of each token of packed rows, or None when the rows are not packed.
-
-        As Transformers' masks do, ``position_ids`` tell packed documents apart only in a forward with
-        nothing else to go by: no padding mask, no past (generate's position_ids for left padding also
-        restart at each row's first token).
-        """
-        if not fresh and kwargs.get("cu_seq_lens_q") is None and kwargs.get("seq_idx") is None:
-            return None  # decoding: nothing to tell apart (and no host sync in a traced step)
-        unpadded = attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
-        documents = self._documents(kwargs, position_ids if fresh and unpadded else None, batch, length, device)
-        if documents is not None and not (fresh and unpadded):
-            raise ValueError(
-                "cu_seq_lens_q / seq_idx (packed sequences) need a forward without a cache, mems or an "
-                "attention_mask with padding"
-            )
-        return documents
-
-    @staticmethod
-    def _documents(kwargs, position_ids, batch, length, device) -> Optional[torch.Tensor]:
-        """``[B, Q]`` document index of each token of a packed row, or None when the rows are not packed."""
-        cu_seq_lens = kwargs.get("cu_seq_lens_q")
-        if cu_seq_lens is not None:
-            if batch != 1 or int(cu_seq_lens[-1]) != length:
-                raise ValueError(
-                    f"cu_seq_lens_q must hold cumulative document lengths ending at seq_len={length} of one packed "
-                    f"row (batch 1), got {cu_seq_lens.tolist()} with batch={batch}"
-                )
-            token = torch.arange(length, device=device)
-            return torch.searchsorted(cu_seq_lens[1:].to(device), token, right=True)[None]
-        if kwargs.get("seq_idx") is not None:
-            seq_idx = kwargs["seq_idx"].to(device)
-            if tuple(seq_idx.shape) != (batch, length):
-                raise ValueError(f"seq_idx must be [batch={batch}, seq_len={length}], got {tuple(seq_idx.shape)}")
-            return seq_idx
-        if position_ids is None or length < 2:
-            return None
-        return find_packed_sequence_indices(position_ids.expand(batch, -1))
+            return BaseModelOutputWithPastAndCrossAttentions(**outputs)
+        return RelPosModelOutput(**outputs, mems=new_mems)
 
     def _update_memory(self, memory: Optional[torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         """Dai et al.'s memory: the last ``mem_len`` inputs of this layer, cut from the graph."""
@@ -819,39 +766,15 @@ class RelPosModel(RelPosPreTrainedModel):
             states = hidden_states if memory is None else torch.cat([memory, hidden_states], dim=1)
             return states[:, -self.config.mem_len :].detach()
 
-    def _bool_mask(self, inputs_embeds, attention_mask, cache, position_ids, mem_length):
-        """Transformers' mask (cache- and padding-aware) as bool ``[B, 1, Q, K]``, or None if nothing is masked.
 
-        Causality is kept separately (``PositionContext.causal``) so that the fused causal kernel stays
-        available; memory keys are always visible.
-        """
-        if attention_mask is not None and attention_mask.dim() == 4:
-            if attention_mask.dtype == torch.bool:
-                return attention_mask
-            return attention_mask > torch.finfo(attention_mask.dtype).min / 2
-        length = inputs_embeds.shape[1]
-        memory_mask = None
-        if attention_mask is not None and mem_length and attention_mask.shape[1] == mem_length + length:
-            memory_mask, attention_mask = attention_mask[:, :mem_length].bool(), attention_mask[:, mem_length:]
-        if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
-            mask = None
-        else:
-            # The cache goes by position: its keyword is `cache` from Transformers 5.24, `past_key_values` before.
-            if self.config.is_decoder:
-                mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
-            else:
-                mask = create_bidirectional_mask(self.config, inputs_embeds, attention_mask, None, cache)
-            if mask is not None and mask.dtype != torch.bool:
-                mask = mask > torch.finfo(mask.dtype).min / 2
-        if mem_length and (mask is not None or memory_mask is not None):
-            batch = inputs_embeds.shape[0]
-            if mask is None:
-                mask = torch.ones(batch, 1, length, length, dtype=torch.bool, device=inputs_embeds.device)
-            if memory_mask is None:
-                memory_mask = torch.ones(batch, mem_length, dtype=torch.bool, device=mask.device)
-            memory_mask = memory_mask[:, None, None, :].expand(mask.shape[0], 1, length, mem_length)
-            mask = torch.cat([memory_mask, mask], dim=-1)
-        return mask
+def _key_padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The decoder's view of the source: bool ``[B, 1, 1, S]`` (True = may attend), None when nothing is padding.
+
+    Own code, not ``create_bidirectional_mask``: that renders ``[B, 1, Q, S]`` (a float one under eager), while the
+    cross-attention takes the keys' mask once for all query rows, as T5 does."""
+    if attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())):
+        return None
+    return attention_mask.bool()[:, None, None, :]
 
 
 class RelPosCrossDecoder(RelPosModel):

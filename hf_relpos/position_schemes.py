@@ -14,6 +14,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from transformers.masking_utils import (
+    and_masks,
+    bidirectional_mask_function,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
+    sdpa_mask,
+    sliding_window_bidirectional_overlay,
+    sliding_window_overlay,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
@@ -63,8 +72,102 @@ def eager_attention_forward(
 
 
 # ----------------------------------------------------------------------------------
-# Position schemes: the seam
+# Where one forward's queries and keys sit, and what they may attend to
 # ----------------------------------------------------------------------------------
+
+
+def cache_offsets(cache, length: int) -> tuple:
+    """``(q_offset, kv_length, kv_offset)``: queries at ``q_offset + i``, keys at ``kv_offset + j`` for
+    ``j < kv_length``, read from the cache before any layer updates it (a static cache's are tensors, read
+    once in eager calls and kept as tensors in a traced graph)."""
+    if cache is None:
+        return 0, length, 0
+    q_offset = cache.get_query_offset(0)
+    kv_length, kv_offset = cache.get_mask_sizes(length, 0)
+    if not torch.compiler.is_compiling():
+        q_offset, kv_length, kv_offset = int(q_offset), int(kv_length), int(kv_offset)
+    return q_offset, kv_length, kv_offset
+
+
+def is_fresh(q_offset, kv_length: int, length: int, mem_length: int) -> bool:
+    """Self-attention of the inputs alone: no past in the cache (nor a static cache's slots), no memory."""
+    return isinstance(q_offset, int) and q_offset == 0 and kv_length == length and not mem_length
+
+
+def unpadded(attention_mask: Optional[torch.Tensor]) -> bool:
+    """No padding known: no mask, or a 2-D mask of ones (read in eager calls only: a traced graph cannot)."""
+    if attention_mask is None:
+        return True
+    return attention_mask.dim() == 2 and not torch.compiler.is_compiling() and bool(attention_mask.all())
+
+
+def packed_documents(packed: dict, position_ids, attention_mask, fresh: bool, batch: int, length: int, device):
+    """``[B, Q]`` document index of each token of packed rows, or None when the rows are not packed.
+
+    From ``cu_seq_lens_q`` or ``seq_idx`` (``DataCollatorWithFlattening``; checked by the model), else, as
+    Transformers' masks do, from ``position_ids`` that restart (``find_packed_sequence_indices``), and then only
+    in a forward with nothing else to go by: no past, no padding (generate's position_ids for left padding also
+    restart at each row's first token).
+    """
+    cu_seq_lens, seq_idx = packed.get("cu_seq_lens_q"), packed.get("seq_idx")
+    if cu_seq_lens is not None:
+        return torch.searchsorted(cu_seq_lens[1:].to(device), torch.arange(length, device=device), right=True)[None]
+    if seq_idx is not None:
+        return seq_idx.to(device)
+    if not fresh or position_ids is None or length < 2 or not unpadded(attention_mask):
+        return None
+    return find_packed_sequence_indices(position_ids.expand(batch, -1))
+
+
+def self_attention_mask(
+    attention_mask, documents, window, *, one_sided, batch, length, q_offset, kv_length, kv_offset, mem_length, device
+) -> Optional[torch.Tensor]:
+    """What the queries may attend to besides causality: bool ``[B|1, 1, Q, M + K]`` (True = may attend) over
+    the memory, cache and current keys, or None when nothing else is masked.
+
+    Transformers' mask functions (padding, packed documents, a causal ``i - j < W`` or bidirectional
+    ``|i - j| <= W`` window) joined by ``and_masks`` and rendered by its boolean renderer ``sdpa_mask``, for
+    every attention implementation: the schemes merge the mask with their own terms. Own code for what
+    ``create_causal_mask`` / ``create_bidirectional_mask`` do otherwise (the padding rides in ``sdpa_mask``'s
+    ``attention_mask``, its ``padding_mask_function``):
+
+    - causality stays out (``PositionContext.causal``): with nothing else masked the mask is None and the
+      fused causal kernels stay available (``create_causal_mask`` materialises causality under eager and as
+      soon as an extra mask function joins, and for every batch row);
+    - a mask of batch 1 when nothing differs between rows (a window alone), so that a bias merged with it
+      stays ``[1, H, Q, K]``;
+    - Transformer-XL's memory keys precede the cache's positions, which Transformers' masks know nothing
+      of: they are always visible, unless the 2-D mask has columns for them;
+    - a prepared 4-D mask (generate's, for static caches) is taken as it is, a float one read as bool.
+    """
+    prepared = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
+    padding = attention_mask if prepared is None else None
+    if prepared is not None and prepared.dtype != torch.bool:
+        prepared = prepared > torch.finfo(prepared.dtype).min / 2
+    if padding is not None:
+        padding = padding.to(device=device, dtype=torch.bool)
+        covers_memory = mem_length and padding.shape[1] == mem_length + length
+        if not covers_memory and not torch.compiler.is_compiling() and bool(padding.all()):
+            padding = None
+        elif mem_length and not covers_memory:
+            padding = F.pad(padding, (mem_length, 0), value=True)
+    functions = [] if documents is None else [packed_sequence_mask_function(documents)]
+    if window is not None:
+        functions.append(sliding_window_overlay(window) if one_sided else sliding_window_bidirectional_overlay(window))
+    if padding is None and not functions:
+        return prepared
+    mask = sdpa_mask(
+        batch_size=batch if padding is not None or documents is not None else 1,
+        q_length=length,
+        kv_length=mem_length + kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=and_masks(bidirectional_mask_function, *functions),
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+        device=device,
+    )
+    return mask if prepared is None else prepared & mask
 
 
 @dataclass
@@ -95,6 +198,54 @@ class PositionContext:
     # ``mask`` as bool ``[B, 1, 1, K]`` when it masks keys alone (padding of a fresh forward), else None:
     # the fused paths (band decomposition, per-key ALiBi) take such a mask without a [Q, K] tensor.
     key_mask: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_inputs(
+        cls, config: RelPosConfig, scheme: "PositionScheme", inputs_embeds: torch.Tensor, attention_mask, position_ids,
+        cache, mems, packed: dict, attn_implementation: str, output_attentions: bool,
+    ) -> "PositionContext":
+        """The context of one forward over checked inputs: offsets read from the cache before any layer updates it,
+        packed documents, position ids, the mask and the live query rows. ``packed`` holds the
+        ``cu_seq_lens_q`` / ``seq_idx`` keyword arguments (None when absent)."""
+        batch, length = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+        mem_length = mems[0].shape[1] if mems is not None else 0
+        q_offset, kv_length, kv_offset = cache_offsets(cache, length)
+        fresh = is_fresh(q_offset, kv_length, length, mem_length)
+        documents = packed_documents(packed, position_ids, attention_mask, fresh, batch, length, device)
+        if position_ids is None and documents is not None:  # packed by cu_seq_lens_q / seq_idx alone
+            token = torch.arange(length, device=device).expand(batch, -1)
+            first = torch.ones_like(documents, dtype=torch.bool)
+            first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+            position_ids = token - torch.where(first, token, 0).cummax(-1).values
+        elif position_ids is None:
+            position_ids = (torch.arange(length, device=device) + q_offset)[None]
+        scheme.check_positions(position_ids)
+        window = config.sliding_window if mems is None else None
+        mask = self_attention_mask(
+            attention_mask, documents, window, one_sided=config.is_decoder or config.memory_window is not None,
+            batch=batch, length=length, q_offset=q_offset, kv_length=kv_length, kv_offset=kv_offset,
+            mem_length=mem_length, device=device,
+        )
+        ctx = cls(
+            query_length=length,
+            key_length=mem_length + kv_length,
+            q_offset=q_offset,
+            past_length=mem_length + q_offset - kv_offset,
+            causal=config.is_decoder,
+            mask=mask,
+            position_ids=position_ids,
+            # Attention probabilities exist only on the materialising (eager) paths: take them when asked.
+            attn_implementation="eager" if output_attentions else attn_implementation,
+            output_attentions=output_attentions,
+            alive=None,
+            scheme=scheme,
+        )
+        ctx.alive = ctx.live_rows(device)
+        if mask is not None and documents is None and attention_mask is not None and config.sliding_window is None:
+            if fresh and attention_mask.dim() == 2:
+                ctx.key_mask = attention_mask.bool()[:, None, None, :]
+        return ctx
 
     def to(self, device, non_blocking: bool = False) -> "PositionContext":
         """Called by accelerate's hooks when a layer sits on another device."""
@@ -147,6 +298,11 @@ class PositionContext:
         return None if bool(alive.all()) else alive
 
 
+# ----------------------------------------------------------------------------------
+# Position schemes: the seam
+# ----------------------------------------------------------------------------------
+
+
 class PositionScheme(nn.Module):
     """A position scheme answers four questions; the default answer is "nothing".
 
@@ -178,6 +334,9 @@ class PositionScheme(nn.Module):
     @staticmethod
     def layer_module(config: RelPosConfig) -> Optional[nn.Module]:
         return None
+
+    def check_positions(self, position_ids: torch.Tensor) -> None:
+        """Refuse positions the scheme cannot embed (an absolute table's end); runs before any layer."""
 
     def embed(self, inputs_embeds: torch.Tensor, ctx: PositionContext) -> torch.Tensor:
         return inputs_embeds
@@ -420,6 +579,17 @@ class AbsoluteScheme(PositionScheme):
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.max_positions = config.max_position_embeddings
+        self.encoding = config.position_encoding
+
+    def check_positions(self, position_ids):
+        if not torch.compiler.is_compiling():  # a host read: eager calls only
+            last = int(position_ids.max())
+            if last >= self.max_positions or int(position_ids.min()) < 0:
+                raise ValueError(
+                    f"position {last} is past max_position_embeddings={self.max_positions} of the "
+                    f"{self.encoding!r} position table: inputs (with cache) may hold at most "
+                    f"{self.max_positions} tokens"
+                )
 
 
 class SinusoidalScheme(AbsoluteScheme):
