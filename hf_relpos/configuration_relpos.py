@@ -221,7 +221,8 @@ class RelPosConfig(PreTrainedConfig):
                 f"RelPosConfig.mem_len must be 0 unless position_encoding='transformer_xl', got mem_len={self.mem_len} "
                 f"with position_encoding={self.position_encoding!r}"
             )
-        self._check_window(getattr(self, "_window", None))
+        if self.memory_window is None:  # with memory the window is mem_len + 1, whatever was set before mem_len
+            self._check_window(getattr(self, "_window", None))
         if self.is_encoder_decoder:
             self._check_encoder_decoder()
         for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):

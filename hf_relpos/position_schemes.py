@@ -114,9 +114,16 @@ def packed_documents(packed: dict, position_ids, attention_mask, fresh: bool, ba
         return torch.searchsorted(cu_seq_lens[1:].to(device), torch.arange(length, device=device), right=True)[None]
     if seq_idx is not None:
         return seq_idx.to(device)
-    if not fresh or position_ids is None or length < 2 or not unpadded(attention_mask):
+    if not fresh or position_ids is None or length < 2 or (attention_mask is not None and attention_mask.dim() != 2):
         return None
-    return find_packed_sequence_indices(position_ids.expand(batch, -1))
+    documents = find_packed_sequence_indices(position_ids.expand(batch, -1))  # None in eager when not packed
+    if attention_mask is None or documents is None:
+        return documents
+    if not torch.compiler.is_compiling():
+        return documents if unpadded(attention_mask) else None
+    # Traced: the mask's values cannot be read on the host, so the eager rule (documents only without padding)
+    # is applied as a tensor: with padding every token falls in document 0, which separates nothing.
+    return documents * attention_mask.all()
 
 
 def self_attention_mask(

@@ -414,3 +414,15 @@ def test_regression_config_eos_token_id_is_validated(value):
 @pytest.mark.parametrize("value", [None, 0, 63, [2], [0, 63]])
 def test_config_eos_token_id_valid_values(value):
     assert RelPosConfig(vocab_size=64, eos_token_id=value).eos_token_id == value
+
+
+def test_transformer_xl_window_set_before_mem_len_saves_as_the_memory_window(tmp_path):
+    """sliding_window follows mem_len (mem_len + 1) once Transformer-XL has memory, even when a window was
+    set before mem_len: the config saves and reloads with the memory window (review finding: the check on save
+    refused the stale window)."""
+    config = modeling_config("transformer_xl")
+    config.sliding_window = 3
+    config.mem_len = 4
+    assert config.sliding_window == 5
+    config.save_pretrained(tmp_path)
+    assert RelPosConfig.from_pretrained(tmp_path).sliding_window == 5

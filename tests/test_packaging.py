@@ -247,3 +247,24 @@ def test_installed_wheel_trains_and_writes_model_card(wheel, tmp_path):
     heading = next(line for line in template.splitlines() if line.startswith("# "))
     assert heading in card, f"the model card is not filled in from the t5_bias template ({heading!r} not in it)"
     assert not list(elsewhere.iterdir()), f"training wrote into the working directory: {list(elsewhere.iterdir())}"
+
+
+@pytest.mark.skipif(bool(os.environ.get("HF_RELPOS_TEST_INSTALLED")), reason="about a checkout, not the installed wheel")
+def test_templates_are_read_from_a_checkout_that_is_not_installed():
+    """hf_relpos run from a source tree on PYTHONPATH, not installed (``python -S``: no site hooks, so no editable
+    install's mapping of ``hf_relpos.model_cards``), reads the templates from the checkout's ``model_cards/``
+    (review finding: `hf-relpos train` wrote no model card and crashed there)."""
+    import sysconfig
+
+    paths = [str(ROOT), *dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])]
+    code = (
+        "import hf_relpos.commands.model_card as m, importlib.util as u; "
+        "assert u.find_spec('hf_relpos.model_cards') is None, 'the package mapping is present: not a bare checkout'; "
+        "print(m.__file__); print(m.read_template('t5_bias'), end='')"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    module, text = out.stdout.split("\n", 1)
+    assert Path(module).resolve().is_relative_to(ROOT), module
+    assert text == (ROOT / "model_cards" / "t5_bias.md").read_text(encoding="utf-8")

@@ -15,9 +15,19 @@ from pathlib import Path
 TEMPLATES = "hf_relpos.model_cards"  # one ``<scheme>.md`` per scheme, and ``seq2seq.md`` for convert-t5
 
 
+def _templates():
+    """The installed templates (a wheel or an editable install maps them to ``hf_relpos.model_cards``), else the
+    checkout's top-level ``model_cards/``: hf_relpos run from a source tree on ``sys.path`` (PYTHONPATH), not
+    installed, has no such package."""
+    try:
+        return resources.files(TEMPLATES)
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "model_cards"
+
+
 def read_template(name: str) -> str:
-    """The text of ``model_cards/<name>.md`` from wherever the package is installed."""
-    template = resources.files(TEMPLATES) / f"{name}.md"
+    """The text of ``model_cards/<name>.md`` from wherever the package is installed (or checked out)."""
+    template = _templates() / f"{name}.md"
     if not template.is_file():
         raise FileNotFoundError(f"model card template {template} is missing from the installed package")
     return template.read_text(encoding="utf-8")
