@@ -77,7 +77,8 @@ DRIVER = textwrap.dedent("""
     namespace = {"__name__": "__main__"}
     if os.environ.get("HF_RELPOS_TEST_INSTALLED"):  # make compat: the pages must see the installed wheel
         import hf_relpos
-        if os.path.abspath(hf_relpos.__file__).startswith(os.environ["HF_RELPOS_DOCS_CHECKOUT"] + os.sep):
+        # The checkout's own package, not any path below the checkout: make compat's venvs live inside it.
+        if os.path.dirname(os.path.abspath(hf_relpos.__file__)) == os.path.join(os.environ["HF_RELPOS_DOCS_CHECKOUT"], "hf_relpos"):
             sys.exit(f"HF_RELPOS_TEST_INSTALLED is set but the pages import the checkout: {hf_relpos.__file__}")
     for kind, page, line, code in steps:
         print(f"--- {page}:{line} ({kind})", flush=True)
