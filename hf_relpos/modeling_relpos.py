@@ -11,8 +11,14 @@ Transformer-XL memory) before the first layer and builds the mask from Transform
 forward asks the scheme for its per-forward term once and hands both to every layer.
 """
 
+import copy
+import dataclasses
 import inspect
+import itertools
+import json
 import math
+import os
+import re
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
@@ -20,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from transformers import PreTrainedConfig
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticCache
@@ -33,7 +40,7 @@ from transformers.modeling_outputs import (
     Seq2SeqLMOutput,
     SequenceClassifierOutput,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, load_state_dict, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
@@ -336,6 +343,201 @@ class RelPosDecoderLayer(GradientCheckpointingLayer):
 
 
 # ----------------------------------------------------------------------------------
+# Loading: the config checked against the checkpoint before anything is allocated
+# ----------------------------------------------------------------------------------
+
+# Transformers builds the model on the meta device, reads the weights and only then allocates every parameter the
+# checkpoint lacks or holds at another size (to report it): a config.json whose max_relative_position is 1e9 asked
+# for 64 GB before any error, and num_hidden_layers=1e6 spent minutes building the meta model. So `from_pretrained`
+# first reads the checkpoint's header (shapes only) and compares it with the shapes the config gives.
+
+# The config fields that size each dimension of each parameter (by the end of its name), to name the field when a
+# config does not describe its checkpoint (tests/test_loading_safety.py checks that every parameter matches one).
+_HEADS = ("num_attention_heads", "head_dim")
+_PARAMETER_FIELDS = (
+    (r"(embed_tokens|shared|lm_head)\.weight", (("vocab_size",), ("hidden_size",))),
+    (r"(q_proj|k_proj|v_proj|r_net)\.weight", (_HEADS, ("hidden_size",))),
+    (r"(q_proj|k_proj|v_proj)\.bias", (_HEADS,)),
+    (r"o_proj\.weight", (("hidden_size",), _HEADS)),
+    (r"(o_proj|down_proj)\.bias|\w*norm\.weight", (("hidden_size",),)),
+    (r"(up_proj|gate_proj)\.weight", (("intermediate_size",), ("hidden_size",))),
+    (r"(up_proj|gate_proj)\.bias", (("intermediate_size",),)),
+    (r"down_proj\.weight", (("hidden_size",), ("intermediate_size",))),
+    (r"r_[wr]_bias", (("num_attention_heads",), ("head_dim",))),
+    (r"rel_[kv]", (("max_relative_position",), ("head_dim",))),
+    (r"position_embeddings\.weight", (("max_position_embeddings",), ("hidden_size",))),
+    (r"relative_attention_bias\.weight", (("relative_attention_num_buckets",), ("num_attention_heads",))),
+    (r"position\.r[12]|position\.mlp\.2\.bias", (("num_attention_heads",),)),
+    (r"position\.mlp\.0\.weight", (("fire_mlp_width",), ())),
+    (r"position\.mlp\.0\.bias", (("fire_mlp_width",),)),
+    (r"position\.mlp\.2\.weight", (("num_attention_heads",), ("fire_mlp_width",))),
+    (r"position\.(c|threshold_scale)", ()),
+    (r"score\.weight", (("num_labels",), ("hidden_size",))),
+)
+# What a checkpoint may lack (parameters Transformers creates and initialises, non-persistent buffers): as many
+# values as it holds, and at least this many (a new classification head or position table on a tiny model).
+MISSING_VALUES_FLOOR = 1 << 24
+
+
+def parameter_fields(name: str) -> Optional[tuple]:
+    """The config fields sizing each dimension of the parameter ``name`` (None: not a parameter of these models)."""
+    for pattern, dims in _PARAMETER_FIELDS:
+        if re.search(rf"(^|\.)({pattern})$", name):
+            return dims
+    return None
+
+
+def _named_fields(config, config_file: Optional[str], fields: list) -> str:
+    """``RelPosConfig.<field>=<value>, ... in <config.json>`` (or ``in the config given`` where the file does not
+    hold that value: a config object or a keyword argument of ``from_pretrained`` set it)."""
+    if not fields:
+        return "the config"
+    named = "RelPosConfig." + ", ".join(f"{field}={getattr(config, field)}" for field in fields)
+    if config_file is not None:
+        try:
+            with open(config_file) as file:
+                saved = json.load(file)
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get(fields[0]) == getattr(config, fields[0]):
+            return f"{named} in {config_file}"
+    return f"{named} in the config given"
+
+
+def _fields_sizing(name: str, shape: tuple, held: Optional[tuple] = None) -> list:
+    """The config fields sizing the dimensions of parameter ``name`` that differ from ``held`` (all without)."""
+    dims = parameter_fields(name)
+    if dims is None or len(dims) != len(shape):
+        return []
+    differ = [i for i in range(len(shape)) if held is None or len(held) != len(shape) or held[i] != shape[i]]
+    return list(dict.fromkeys(field for i in differ for field in dims[i])) or [f for dim in dims for f in dim]
+
+
+def _add_variant(name: str, variant: Optional[str]) -> str:
+    """``model.safetensors`` -> ``model.<variant>.safetensors``, as Transformers names a variant's files."""
+    if not variant:
+        return name
+    stem, extension = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{extension}"
+
+
+def _checkpoint_files(folder: str, subfolder: str, variant, use_safetensors, config) -> Optional[tuple[list, str]]:
+    """The weight files ``from_pretrained`` reads in a local ``folder`` (as Transformers 5.23 resolves them), and the
+    name to report; None where there are none (Transformers then says so)."""
+    base = os.path.join(folder, subfolder or "")
+    explicit = getattr(config, "transformers_weights", None)
+    if explicit is not None:
+        names = [explicit]
+    else:
+        names = []
+        if use_safetensors is not False:
+            names += [_add_variant("model.safetensors", variant), _add_variant("model.safetensors.index.json", variant)]
+        if not use_safetensors:
+            names += [_add_variant("pytorch_model.bin", variant), _add_variant("pytorch_model.bin.index.json", variant)]
+    for name in names:
+        path = os.path.join(base, name)
+        if not os.path.isfile(path):
+            continue
+        if not name.endswith(".index.json"):
+            return [path], path
+        with open(path) as index:
+            shards = sorted(set(json.load(index)["weight_map"].values()))
+        return [os.path.join(base, shard) for shard in shards], path
+    return None
+
+
+def _check_checkpoint_fits(cls, folder, kwargs: dict) -> None:
+    """Raise ``ValueError`` naming the config field when the config asks for a parameter of another shape than the
+    checkpoint's, or for more values the checkpoint lacks than it holds (``MISSING_VALUES_FLOOR`` at least).
+
+    Reads the local folder's config and the weight files' headers (or a ``state_dict``'s shapes) and builds the
+    model on the meta device with no more layers than the checkpoint holds; a Hub id is left to Transformers.
+    """
+    state_dict, config = kwargs.get("state_dict"), kwargs.get("config")
+    subfolder = kwargs.get("subfolder") or ""
+    local = folder is not None and os.path.isdir(folder)
+    if kwargs.get("gguf_file") is not None or (state_dict is None and not local):
+        return
+    if isinstance(config, PreTrainedConfig):  # AutoConfig records the folder it read as name_or_path
+        config_file = os.path.join(config.name_or_path or "", subfolder, "config.json") if config.name_or_path else None
+    else:
+        config_file = config if config is not None else folder
+        if config_file is None or not os.path.exists(config_file):
+            return
+        if os.path.isdir(config_file):
+            config_file = os.path.join(config_file, subfolder, "config.json")
+            if not os.path.isfile(config_file):  # an adapter's folder: Transformers loads the base model it names
+                return
+        # The kwargs that set config fields, as Transformers passes them to the config (dtype is the model's).
+        names = {f.name for f in dataclasses.fields(cls.config_class)} | {"num_labels"}
+        overrides = {k: v for k, v in kwargs.items() if k in names and k != "dtype"}
+        config = cls.config_class.from_pretrained(config_file, **overrides)
+    if state_dict is not None:
+        shapes, where = {k: tuple(v.shape) for k, v in state_dict.items()}, "the state_dict"
+    else:
+        found = _checkpoint_files(folder, subfolder, kwargs.get("variant"), kwargs.get("use_safetensors"), config)
+        if found is None:
+            return
+        files, where = found
+        shapes = {}
+        for file in files:
+            meta = load_state_dict(file, map_location="meta", weights_only=kwargs.get("weights_only", True))
+            shapes.update((k, tuple(v.shape)) for k, v in meta.items())
+    for pattern, replacement in (kwargs.get("key_mapping") or {}).items():  # as Transformers renames keys
+        shapes = {re.sub(pattern, replacement, k): v for k, v in shapes.items()}
+    _compare_shapes(cls, config, shapes, config_file, where, bool(kwargs.get("ignore_mismatched_sizes")))
+
+
+def _compare_shapes(cls, config, shapes: dict, config_file, where: str, ignore_mismatched_sizes: bool) -> None:
+    prefix = cls.base_model_prefix
+    built, layers = copy.deepcopy(config), []
+    for field, stack in cls._layer_stacks:
+        pattern = re.compile(rf"^(?:{prefix}\.)?{stack}layers\.(\d+)\.")
+        wanted = getattr(config, field)
+        held = {int(m.group(1)) for key in shapes if (m := pattern.match(key))}
+        count = max(1, min(wanted, len([i for i in held if i < wanted])))
+        setattr(built, field, count)  # the meta model gets no more layers than the checkpoint holds
+        layers.append((field, stack, pattern, wanted, count, len(held)))
+    with torch.device("meta"):
+        model = cls(built)
+    missing, mismatched = [], []
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        shape = tuple(tensor.shape)
+        key = next((k for k in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")) if k in shapes), None)
+        if key is None or (shapes[key] != shape and ignore_mismatched_sizes):
+            missing.append((math.prod(shape), name, shape))
+        elif shapes[key] != shape:
+            mismatched.append((math.prod(shape), name, shape, shapes[key]))
+    if mismatched:
+        _, name, shape, held = max(mismatched, key=lambda m: m[0])
+        raise ValueError(
+            f"{_named_fields(config, config_file, _fields_sizing(name, shape, held))} gives {name} the shape "
+            f"{list(shape)}, but {where} holds {list(held)}: the config does not describe this checkpoint"
+        )
+    lacking = sum(size for size, *_ in missing)
+    extra = []
+    for field, stack, pattern, wanted, count, held in layers:
+        per_layer = sum(t.numel() for n, t in model.named_parameters() if (m := pattern.match(n)) and m.group(1) == "0")
+        extra.append(((wanted - count) * per_layer, field, wanted, held))
+        lacking += (wanted - count) * per_layer
+    allowed = max(sum(math.prod(shape) for shape in shapes.values()), MISSING_VALUES_FLOOR)
+    if lacking <= allowed:
+        return
+    bound = (
+        f"the {lacking:,} values it lacks are more than a checkpoint may lack ({allowed:,}: as many as it holds, at "
+        f"least {MISSING_VALUES_FLOOR:,})"
+    )
+    values, field, wanted, held = max(extra, key=lambda e: e[0])
+    if not missing or values >= max(size for size, *_ in missing):
+        raise ValueError(f"{_named_fields(config, config_file, [field])}, but {where} holds {held} layers: {bound}")
+    _, name, shape = max(missing, key=lambda m: m[0])
+    raise ValueError(
+        f"{_named_fields(config, config_file, _fields_sizing(name, shape))} asks for {name} {list(shape)}, which "
+        f"{where} does not hold: {bound}"
+    )
+
+
+# ----------------------------------------------------------------------------------
 # Pre-trained base
 # ----------------------------------------------------------------------------------
 
@@ -364,6 +566,16 @@ class RelPosPreTrainedModel(PreTrainedModel):
     # Transformers' `capture_outputs` records these modules' outputs for `output_hidden_states` (each
     # layer's input, then the final normed state) and `output_attentions` (the attention's second output).
     _can_record_outputs = {"hidden_states": RelPosDecoderLayer, "attentions": RelPosAttention}
+    # The layer stacks: the config field counting each one's layers, and its name before `layers.<i>.`.
+    _layer_stacks = (("num_hidden_layers", ""),)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Transformers' ``from_pretrained``, after the config is checked against the checkpoint (a local folder or a
+        ``state_dict``): a config asking for parameters of other shapes, or for far more than the checkpoint holds,
+        is a ``ValueError`` naming the field before anything is allocated."""
+        _check_checkpoint_fits(cls, pretrained_model_name_or_path, kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @property
     def supports_context_parallel(self) -> bool:
@@ -941,6 +1153,7 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
     cross-attend to the encoder's last states. ``labels`` give the loss, and ``decoder_input_ids`` default
     to the labels shifted right behind ``decoder_start_token_id`` (T5's ``_shift_right``)."""
 
+    _layer_stacks = (("num_hidden_layers", "encoder."), ("num_decoder_layers", "decoder."))
     # Both stacks always read the shared table; the output layer does when tie_word_embeddings (see below).
     _tied_weights_keys = {
         "encoder.embed_tokens.weight": "shared.weight",
