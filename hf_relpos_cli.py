@@ -32,6 +32,7 @@ SCHEMES = (
 PRESET_NAMES = ("small", "tiny")
 INSPECT_PROMPT = "The for statement is used to iterate over the elements of a sequence."
 MIN_VOCAB = 259  # the byte-level BPE's 256 byte tokens and its 3 special tokens (hf_relpos.data.SPECIAL_TOKENS)
+MAX_TEXT_BYTES = 8 * 2**20  # hf_relpos.data.MAX_TEXT_BYTES, restated: this module imports no torch
 
 # What each command runs: "module:function", imported only once the command line has parsed. Each function takes
 # the parsed namespace and returns the exit status (None: 0).
@@ -121,6 +122,8 @@ def _add_training_arguments(p, steps: int, seq_len: int) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (model init, data order)")
     p.add_argument("--train-file", nargs="+", default=None, metavar="PATH",
                    help="your own UTF-8 text files instead of the embedded corpus (Python's bundled docs)")
+    p.add_argument("--max-train-bytes", type=positive_int, default=MAX_TEXT_BYTES, metavar="BYTES",
+                   help="refuse --train-file text larger than this (tokenizing takes ~200 bytes of memory per byte)")
     p.add_argument("--eval-tokens", type=positive_int, default=None, help="cap on held-out tokens evaluated (default: all)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the model in --output-dir (earlier checkpoints are kept, renamed)")
@@ -164,6 +167,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--factors", type=positive_int, nargs="+", default=[1, 2, 4], help="evaluation lengths as multiples of L")
     p.add_argument("--eval-file", nargs="+", default=None, metavar="PATH",
                    help="UTF-8 text files whose last 5%% is evaluated (default: the embedded corpus' test split)")
+    p.add_argument("--max-eval-bytes", type=positive_int, default=MAX_TEXT_BYTES, metavar="BYTES",
+                   help="refuse --eval-file text larger than this (tokenizing takes ~200 bytes of memory per byte)")
     p.add_argument("--eval-tokens", type=positive_int, default=None, help="cap on held-out tokens evaluated (default: all)")
 
     command("validate-t5", "check T5 buckets, bias and whole converted models against the installed Transformers")

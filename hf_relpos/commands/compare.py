@@ -43,6 +43,7 @@ class CompareOptions:
     mem_len: Optional[int] = None
     seed: int = 0
     train_file: Optional[Sequence[str]] = None
+    max_train_bytes: Optional[int] = None
     eval_tokens: Optional[int] = None
     overwrite: bool = False
     resume: Union[bool, str, None] = None
@@ -95,7 +96,8 @@ def compare(options: CompareOptions) -> Path:
                 output_dir=str(folder), position_encoding=scheme, preset=options.preset, seq_len=options.seq_len,
                 steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
                 vocab_size=options.vocab_size, mem_len=options.mem_len if scheme == "transformer_xl" else None,
-                seed=seed, train_file=options.train_file, eval_tokens=options.eval_tokens, overwrite=options.overwrite,
+                seed=seed, train_file=options.train_file, max_train_bytes=options.max_train_bytes,
+                eval_tokens=options.eval_tokens, overwrite=options.overwrite,
                 resume=resume, quiet=True, eval_factors=factors, sliding=options.sliding, argv=options.argv,
             )
             try:
