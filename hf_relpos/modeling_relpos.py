@@ -427,6 +427,9 @@ def _checkpoint_files(folder: str, subfolder: str, variant, use_safetensors, con
     base = os.path.join(folder, subfolder or "")
     explicit = getattr(config, "transformers_weights", None)
     if explicit is not None:
+        inside = os.path.abspath(os.path.join(base, explicit)).startswith(os.path.abspath(base) + os.sep)
+        if not inside:  # Transformers refuses a file outside the folder
+            return None
         names = [explicit]
     else:
         names = []

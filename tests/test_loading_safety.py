@@ -308,3 +308,14 @@ def test_every_parameter_names_the_fields_that_size_it():
             assert size == expected, (name, shape, dims)
         seen += 1
     assert seen > 300
+
+
+def test_the_weights_file_a_config_names_is_the_one_checked(tmp_path):
+    """``transformers_weights`` in config.json names the weights file Transformers reads: it is checked too."""
+    make_model(RelPosForCausalLM, "shaw").save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(transformers_weights="weights.safetensors", max_relative_position=MID)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"max_relative_position={MID} .* but {tmp_path}/weights.safetensors holds \[9, 8\]"):
+        RelPosForCausalLM.from_pretrained(tmp_path)
