@@ -490,7 +490,7 @@ def train_command(args) -> int:
 
 def eval_command(args) -> int:
     result = evaluate_folder(args.folder, seq_len=args.seq_len, factors=args.factors, eval_file=args.eval_file,
-                             eval_tokens=args.eval_tokens, max_eval_bytes=args.max_eval_bytes)
+                             eval_tokens=args.eval_tokens, max_eval_bytes=getattr(args, "max_eval_bytes", None))
     for name, value in result.items():
         print(f"{name:>24}: {value:.2f}")
     return 0
