@@ -6,7 +6,6 @@ In-process (``hf_relpos_cli.main``) with tiny settings.
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
