@@ -406,9 +406,15 @@ class RelPosPreTrainedModel(PreTrainedModel):
             init.constant_(module.threshold_scale, 1.0)
 
     def _token_loss(self, logits, labels, **kwargs) -> torch.Tensor:
-        """Transformers' loss of token logits (loss kwargs reach it); every label ignored gives 0, not NaN."""
+        """Transformers' loss of token logits (loss kwargs reach it); every label ignored gives 0, not NaN.
+        An infinite or NaN loss of counted labels is returned as it is: only the labels tell the two apart."""
         loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return loss if torch.isfinite(loss) else logits.sum() * 0.0
+        counted = kwargs.get("shift_labels")
+        if counted is None:  # a causal LM's loss shifts its labels; ForMaskedLM's are aligned with the logits
+            counted = labels if self.loss_type == "ForMaskedLM" else labels[..., 1:]
+        if bool((counted != kwargs.get("ignore_index", -100)).any()):
+            return loss
+        return loss.nan_to_num(0.0)  # a mean over no label (0 / 0); its gradient is 0, as the logits' are
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code)."""

@@ -267,6 +267,31 @@ def test_fully_padded_row_is_finite(position_encoding, impl):
     assert torch.isfinite(hidden).all()
 
 
+@pytest.mark.parametrize("by", ["labels", "shift_labels"])
+def test_infinite_cross_entropy_is_infinite_not_zero(by):
+    """A loss whose cross-entropy overflows float32 (logits spanning +-3e38) is inf, as torch's cross-entropy
+    (float64, then float32) on the same logits, and NaN logits give NaN: only labels that are all ignored
+    give 0 (the loss was 0.0 for every non-finite value before)."""
+    model = build("t5_bias")
+    ids = rand_ids(2, 5, seed=3)
+    logits = torch.zeros(2, 5, VOCAB)
+    logits[0, 0, 0], logits[0, 0, 1] = 3e38, -3e38
+    shift = torch.full((2, 5), -100)
+    shift[0, 0] = 1  # the one counted label: the token after position 0 is 1, at logit -3e38
+    labels = torch.cat([torch.full((2, 1), -100), shift[:, :-1]], dim=1)
+    target = dict(labels=labels) if by == "labels" else dict(shift_labels=shift)
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, VOCAB).double(), shift.view(-1)).float()
+    assert expected.isinf()
+    crafted = {"logits": logits}
+    model.lm_head.register_forward_hook(lambda module, args, out: crafted["logits"].clone())
+    with torch.no_grad():
+        assert model(ids, **target).loss == expected
+        crafted["logits"] = torch.zeros(2, 5, VOCAB).index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(float("nan")))
+        assert model(ids, **target).loss.isnan()
+        ignored = model(ids, **{k: torch.full_like(v, -100) for k, v in target.items()}).loss
+    assert ignored.item() == 0.0
+
+
 @pytest.mark.parametrize("position_encoding", ENCODINGS)
 def test_all_ignored_labels_backward(position_encoding):
     model = build(position_encoding).train()
