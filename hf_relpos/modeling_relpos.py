@@ -710,8 +710,9 @@ class RelPosModel(RelPosPreTrainedModel):
     ) -> RelPosModelOutput:
         """``output_attentions``, ``output_hidden_states`` and ``return_dict`` (call arguments or config
         fields) are served by Transformers' ``capture_outputs``. Packed sequences (one row of documents
-        whose ``position_ids`` restart at 0, or the ``cu_seq_lens_q`` / ``seq_idx`` kwargs of
-        ``DataCollatorWithFlattening``) attend only within their document.
+        whose ``position_ids`` restart at 0, read as Transformers does only without an ``attention_mask``
+        and a past, or the ``cu_seq_lens_q`` / ``seq_idx`` kwargs of ``DataCollatorWithFlattening``) attend
+        only within their document.
 
         An encoder-decoder's decoder also takes ``encoder_hidden_states`` (with ``encoder_attention_mask``)
         and an ``EncoderDecoderCache``, whose self-attention part holds the positions.

@@ -105,25 +105,19 @@ def packed_documents(packed: dict, position_ids, attention_mask, fresh: bool, ba
     """``[B, Q]`` document index of each token of packed rows, or None when the rows are not packed.
 
     From ``cu_seq_lens_q`` or ``seq_idx`` (``DataCollatorWithFlattening``; checked by the model), else, as
-    Transformers' masks do, from ``position_ids`` that restart (``find_packed_sequence_indices``), and then only
-    in a forward with nothing else to go by: no past, no padding (generate's position_ids for left padding also
-    restart at each row's first token).
+    Transformers' masks do (``_preprocess_mask_arguments``), from ``position_ids`` that restart
+    (``find_packed_sequence_indices``), and then only in a forward with nothing else to go by: no past and no
+    ``attention_mask`` (generate's position_ids for left padding also restart at each row's first token, and a
+    row of ones is no sign of packing), in eager and traced calls alike.
     """
     cu_seq_lens, seq_idx = packed.get("cu_seq_lens_q"), packed.get("seq_idx")
     if cu_seq_lens is not None:
         return torch.searchsorted(cu_seq_lens[1:].to(device), torch.arange(length, device=device), right=True)[None]
     if seq_idx is not None:
         return seq_idx.to(device)
-    if not fresh or position_ids is None or length < 2 or (attention_mask is not None and attention_mask.dim() != 2):
+    if not fresh or position_ids is None or length < 2 or attention_mask is not None:
         return None
-    documents = find_packed_sequence_indices(position_ids.expand(batch, -1))  # None in eager when not packed
-    if attention_mask is None or documents is None:
-        return documents
-    if not torch.compiler.is_compiling():
-        return documents if unpadded(attention_mask) else None
-    # Traced: the mask's values cannot be read on the host, so the eager rule (documents only without padding)
-    # is applied as a tensor: with padding every token falls in document 0, which separates nothing.
-    return documents * attention_mask.all()
+    return find_packed_sequence_indices(position_ids.expand(batch, -1))  # None in eager when not packed
 
 
 def self_attention_mask(
