@@ -585,8 +585,12 @@ class AbsoluteScheme(PositionScheme):
 
     def check_positions(self, position_ids):
         if not torch.compiler.is_compiling():  # a host read: eager calls only
-            last = int(position_ids.max())
-            if last >= self.max_positions or int(position_ids.min()) < 0:
+            first, last = int(position_ids.min()), int(position_ids.max())
+            if first < 0:
+                raise ValueError(
+                    f"position_ids hold a negative position {first}: the {self.encoding!r} position table starts at 0"
+                )
+            if last >= self.max_positions:
                 raise ValueError(
                     f"position {last} is past max_position_embeddings={self.max_positions} of the "
                     f"{self.encoding!r} position table: inputs (with cache) may hold at most "

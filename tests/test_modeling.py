@@ -164,6 +164,58 @@ def test_absolute_positions_overflow(position_encoding):
     assert out.past_key_values.get_seq_length() == 16
 
 
+def test_token_ids_of_another_dtype_name_input_ids():
+    """Float or bool input_ids are a ValueError naming input_ids and the dtypes allowed (nn.Embedding's torch
+    error before); a cache is left as it was."""
+    model = build("t5_bias")
+    cache, length, snap = _prefilled(model)
+    for bad in (rand_ids(2, 2).float(), rand_ids(2, 2).bool(), rand_ids(2, 2).to(torch.int16)):
+        with pytest.raises(ValueError, match=rf"input_ids must be integer token ids .*{bad.dtype}"), torch.no_grad():
+            model(bad, past_key_values=cache, use_cache=True)
+        assert_cache_unchanged(cache, length, snap)
+    with torch.no_grad():  # int32 ids are nn.Embedding's other dtype: the same logits as int64
+        ids = rand_ids(2, 4)
+        assert_close(model(ids.int(), use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+def test_position_ids_of_another_batch_name_position_ids():
+    """position_ids of another batch than the input's (1 broadcasts, as in Transformers) are a ValueError
+    naming position_ids (a torch expand error before)."""
+    model = build("rope")
+    ids = rand_ids(2, 4)
+    for bad in (torch.arange(4).expand(3, -1), torch.arange(4).expand(4, -1)):
+        with pytest.raises(ValueError, match=r"position_ids must be \[batch=2 \(or 1\), seq_len=4\]"), torch.no_grad():
+            model(ids, position_ids=bad)
+    with torch.no_grad():
+        assert_close(model(ids, position_ids=torch.arange(4)[None]).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("position_encoding", ABSOLUTE)
+def test_negative_position_is_named_as_such(position_encoding):
+    """A negative position is reported as negative, not as past max_position_embeddings."""
+    model = build(position_encoding, max_position_embeddings=16)
+    with pytest.raises(ValueError) as info, torch.no_grad():
+        model(rand_ids(1, 3), position_ids=torch.tensor([[-1, 0, 1]]))
+    message = str(info.value)
+    assert "negative position -1" in message and "past max_position_embeddings" not in message, message
+
+
+@pytest.mark.parametrize("position_encoding", ["t5_bias", "transformer_xl", "learned"])
+def test_static_cache_overflow_names_the_cache(position_encoding):
+    """More tokens than a StaticCache's max_cache_len hold are a ValueError naming the cache, its size and the
+    size needed (an index_copy_ IndexError before); the cache is left as it was, and exactly full works."""
+    model = build(position_encoding)
+    cache = StaticCache(config=model.config, max_cache_len=6)
+    with torch.no_grad():
+        model(rand_ids(1, 4), past_key_values=cache, use_cache=True)
+        snap = cache_snapshot(cache)
+        with pytest.raises(ValueError, match=r"StaticCache of max_cache_len=6 holding 4 tokens.*max_cache_len >= 7"):
+            model(rand_ids(1, 3), past_key_values=cache, use_cache=True)
+        assert_cache_unchanged(cache, 4, snap)
+        model(rand_ids(1, 2), past_key_values=cache, use_cache=True)
+    assert int(cache.get_seq_length()) == 6
+
+
 @pytest.mark.parametrize(
     "other",
     [{"num_attention_heads": 2}, {"hidden_size": 48, "intermediate_size": 96}, {"num_hidden_layers": 3},

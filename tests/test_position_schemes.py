@@ -322,6 +322,20 @@ def test_transformer_xl_projection_cache_follows_any_weight_update(how):
         torch.testing.assert_close(model(ids).logits, fresh(ids).logits, rtol=0, atol=1e-6)
 
 
+def test_log_decay_scale_beyond_float32_gives_finite_outputs():
+    """A log_decay_scale past float32's range (the bias' compute dtype) attends each query to itself alone, as
+    any scale large enough does, in every implementation and dtype: NaN logits with SDPA before."""
+    ids = rand_ids(2, 6, seed=5)
+    for impl in ("eager", "sdpa"):
+        for dtype in (torch.float32, torch.bfloat16):
+            huge = build("log_decay", log_decay_scale=1e39, impl=impl).to(dtype)
+            large = build("log_decay", log_decay_scale=1e38, impl=impl).to(dtype)  # same weights (same seed)
+            with torch.no_grad():
+                got, expected = huge(ids).logits, large(ids).logits
+            assert torch.isfinite(got).all(), (impl, dtype)
+            assert torch.equal(got, expected), (impl, dtype)
+
+
 @pytest.mark.parametrize("position_encoding,tensor,expected", [
     # upstream T5 (factor 1): the bucket table at d_model**-0.5, not initializer_range
     ("t5_bias", lambda m: m.model.position.relative_attention_bias.weight, 64**-0.5),
