@@ -667,8 +667,11 @@ def log_decay_bias(
     distance = _relative_distance(query_length, key_length, past_length, device).abs()
     dtype = dtype or torch.get_default_dtype()
     compute = torch.float64 if dtype == torch.float64 else torch.float32
+    # A scale beyond the compute dtype's range would be -inf there, and -inf * ln(1 + 0) NaN on the diagonal:
+    # at its largest value the bias is already -inf (or past any score) at every distance > 0, as the scale's.
+    scale = min(float(scale), torch.finfo(compute).max)
     # "+ 0.0" turns the -0.0 on the diagonal into 0.0.
-    return (-float(scale) * torch.log1p(distance.to(compute)) + 0.0).to(dtype)
+    return (-scale * torch.log1p(distance.to(compute)) + 0.0).to(dtype)
 
 
 def alibi_slopes(

@@ -621,9 +621,15 @@ class RelPosPreTrainedModel(PreTrainedModel):
             init.constant_(module.threshold_scale, 1.0)
 
     def _token_loss(self, logits, labels, **kwargs) -> torch.Tensor:
-        """Transformers' loss of token logits (loss kwargs reach it); every label ignored gives 0, not NaN."""
+        """Transformers' loss of token logits (loss kwargs reach it); every label ignored gives 0, not NaN.
+        An infinite or NaN loss of counted labels is returned as it is: only the labels tell the two apart."""
         loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return loss if torch.isfinite(loss) else logits.sum() * 0.0
+        counted = kwargs.get("shift_labels")
+        if counted is None:  # a causal LM's loss shifts its labels; ForMaskedLM's are aligned with the logits
+            counted = labels if self.loss_type == "ForMaskedLM" else labels[..., 1:]
+        if bool((counted != kwargs.get("ignore_index", -100)).any()):
+            return loss
+        return loss.nan_to_num(0.0)  # a mean over no label (0 / 0); its gradient is 0, as the logits' are
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code)."""
@@ -685,11 +691,15 @@ class RelPosModel(RelPosPreTrainedModel):
         self._check_setup(cache)
         batch, length = self._check_tokens(input_ids, inputs_embeds)
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-        past = self._check_cache(self_cache, batch)
+        past = self._check_cache(self_cache, batch, length)
         mem_length = self._check_mems(mems, self_cache, past, batch)
         self._check_mask(attention_mask, self_cache, mems, batch, length, past, mem_length)
-        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != length):
-            raise ValueError(f"position_ids must be [batch, seq_len={length}], got shape {tuple(position_ids.shape)}")
+        if position_ids is not None and (
+            position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[-1] != length
+        ):
+            raise ValueError(
+                f"position_ids must be [batch={batch} (or 1), seq_len={length}], got shape {tuple(position_ids.shape)}"
+            )
         self._check_encoder(encoder_hidden_states, encoder_attention_mask, batch)
         self._check_packing(kwargs, attention_mask, self_cache, batch, length, mem_length)
 
@@ -745,6 +755,8 @@ class RelPosModel(RelPosPreTrainedModel):
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+            if input_ids.dtype not in (torch.long, torch.int32):  # what nn.Embedding takes
+                raise ValueError(f"input_ids must be integer token ids (torch.long or torch.int32), got {input_ids.dtype}")
             if input_ids.numel() and not torch.compiler.is_compiling():
                 low, high = int(input_ids.min()), int(input_ids.max())
                 if low < 0 or high >= config.vocab_size:
@@ -767,9 +779,9 @@ class RelPosModel(RelPosPreTrainedModel):
             raise ValueError(f"{what} must hold at least one sequence of at least one token, got batch={batch}, seq_len={length}")
         return batch, length
 
-    def _check_cache(self, cache, batch: int) -> Optional[int]:
-        """A Transformers cache of this configuration: the tokens it holds (None in a traced graph, where a
-        static cache's length is a tensor; 0 without a cache)."""
+    def _check_cache(self, cache, batch: int, length: int) -> Optional[int]:
+        """A Transformers cache of this configuration with room for ``length`` more tokens: the tokens it holds
+        (None in a traced graph, where a static cache's length is a tensor; 0 without a cache)."""
         config = self.config
         if cache is None:
             return 0
@@ -796,7 +808,18 @@ class RelPosModel(RelPosPreTrainedModel):
                 )
         # A static cache's length is a tensor in a traced graph: checks that read it on the host run in eager
         # calls only, as the token-id range check does.
-        return None if torch.compiler.is_compiling() else int(cache.get_seq_length())
+        if torch.compiler.is_compiling():
+            return None
+        past = int(cache.get_seq_length())
+        # A StaticCache's full-attention layers hold max_cache_len tokens (a sliding layer rolls over instead).
+        room = [layer.get_max_length() for layer in cache.layers if not getattr(layer, "is_sliding", True)]
+        room = min((r for r in room if r >= 0), default=None)
+        if room is not None and past + length > room:
+            raise ValueError(
+                f"cache (past_key_values) is a {type(cache).__name__} of max_cache_len={room} holding {past} tokens: "
+                f"no room for {length} more; build it with max_cache_len >= {past + length}"
+            )
+        return past
 
     def _check_mems(self, mems, cache, past: Optional[int], batch: int) -> int:
         """Transformer-XL memories, one ``[batch, mem <= mem_len, hidden_size]`` per layer: their length (0 without)."""
@@ -919,8 +942,9 @@ class RelPosModel(RelPosPreTrainedModel):
     ) -> RelPosModelOutput:
         """``output_attentions``, ``output_hidden_states`` and ``return_dict`` (call arguments or config
         fields) are served by Transformers' ``capture_outputs``. Packed sequences (one row of documents
-        whose ``position_ids`` restart at 0, or the ``cu_seq_lens_q`` / ``seq_idx`` kwargs of
-        ``DataCollatorWithFlattening``) attend only within their document.
+        whose ``position_ids`` restart at 0, read as Transformers does only without an ``attention_mask``
+        and a past, or the ``cu_seq_lens_q`` / ``seq_idx`` kwargs of ``DataCollatorWithFlattening``) attend
+        only within their document.
 
         An encoder-decoder's decoder also takes ``encoder_hidden_states`` (with ``encoder_attention_mask``)
         and an ``EncoderDecoderCache``, whose self-attention part holds the positions.

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -105,25 +106,19 @@ def packed_documents(packed: dict, position_ids, attention_mask, fresh: bool, ba
     """``[B, Q]`` document index of each token of packed rows, or None when the rows are not packed.
 
     From ``cu_seq_lens_q`` or ``seq_idx`` (``DataCollatorWithFlattening``; checked by the model), else, as
-    Transformers' masks do, from ``position_ids`` that restart (``find_packed_sequence_indices``), and then only
-    in a forward with nothing else to go by: no past, no padding (generate's position_ids for left padding also
-    restart at each row's first token).
+    Transformers' masks do (``_preprocess_mask_arguments``), from ``position_ids`` that restart
+    (``find_packed_sequence_indices``), and then only in a forward with nothing else to go by: no past and no
+    ``attention_mask`` (generate's position_ids for left padding also restart at each row's first token, and a
+    row of ones is no sign of packing), in eager and traced calls alike.
     """
     cu_seq_lens, seq_idx = packed.get("cu_seq_lens_q"), packed.get("seq_idx")
     if cu_seq_lens is not None:
         return torch.searchsorted(cu_seq_lens[1:].to(device), torch.arange(length, device=device), right=True)[None]
     if seq_idx is not None:
         return seq_idx.to(device)
-    if not fresh or position_ids is None or length < 2 or (attention_mask is not None and attention_mask.dim() != 2):
+    if not fresh or position_ids is None or length < 2 or attention_mask is not None:
         return None
-    documents = find_packed_sequence_indices(position_ids.expand(batch, -1))  # None in eager when not packed
-    if attention_mask is None or documents is None:
-        return documents
-    if not torch.compiler.is_compiling():
-        return documents if unpadded(attention_mask) else None
-    # Traced: the mask's values cannot be read on the host, so the eager rule (documents only without padding)
-    # is applied as a tensor: with padding every token falls in document 0, which separates nothing.
-    return documents * attention_mask.all()
+    return find_packed_sequence_indices(position_ids.expand(batch, -1))  # None in eager when not packed
 
 
 def self_attention_mask(
@@ -590,8 +585,12 @@ class AbsoluteScheme(PositionScheme):
 
     def check_positions(self, position_ids):
         if not torch.compiler.is_compiling():  # a host read: eager calls only
-            last = int(position_ids.max())
-            if last >= self.max_positions or int(position_ids.min()) < 0:
+            first, last = int(position_ids.min()), int(position_ids.max())
+            if first < 0:
+                raise ValueError(
+                    f"position_ids hold a negative position {first}: the {self.encoding!r} position table starts at 0"
+                )
+            if last >= self.max_positions:
                 raise ValueError(
                     f"position {last} is past max_position_embeddings={self.max_positions} of the "
                     f"{self.encoding!r} position table: inputs (with cache) may hold at most "
@@ -699,7 +698,7 @@ class TransformerXLRelative(nn.Module):
         self.r_net = nn.Linear(config.hidden_size, config.num_attention_heads * config.head_dim, bias=False)
         self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
-        self._projected = None  # inference only: (key, highest distance, [H, span, D] for distances descending)
+        self._projected = None  # inference only: (weights, device, dtype, highest distance, [H, span, D] descending)
 
     def train(self, mode: bool = True):
         self._projected = None
@@ -717,26 +716,47 @@ class TransformerXLRelative(nn.Module):
         reused: a decoding step reads the slice for ``K-1 .. 0`` (a view, no copy) instead of
         projecting ``K`` sinusoids again (an ``O(K·hidden²)`` matmul per layer and token). The
         range doubles when exceeded. The kept projections are dropped by every forward with
-        gradients and every ``train()``/``eval()`` switch, and rebuilt when a parameter's storage
-        or version changes: fused optimizers update weights without bumping versions.
+        gradients and every ``train()``/``eval()`` switch, and rebuilt unless ``r_net``'s weights
+        equal, value for value, a copy taken with them: an update through ``.data``, a fused
+        optimizer or ``load_state_dict`` changes no version counter that could be trusted instead.
         """
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             self._projected = None
             return self._project(distances.values, dtype), self.r_w_bias, self.r_r_bias
         device = distances.values.device
-        # Every parameter of r_net (adapters included) by storage and version: any update rebuilds the cache.
-        key = (tuple((p.data_ptr(), p._version, p.device) for p in self.r_net.parameters()), device, dtype)
+        weights = [p.detach() for p in self.r_net.parameters()]
         cached = self._projected
-        if cached is None or cached[0] != key or distances.high > cached[1] or distances.low <= cached[1] - cached[2].shape[1]:
+        valid = cached is not None and self._same(cached[0], weights) and cached[1:3] == (device, dtype)
+        if not valid or distances.high > cached[3] or distances.low <= cached[3] - cached[4].shape[1]:
             high, low = distances.high, distances.low
-            if cached is not None and cached[0] == key:
-                high, low = max(2 * high, cached[1]), min(low, cached[1] - cached[2].shape[1] + 1)
-            cached = (key, high, self._project(torch.arange(high, low - 1, -1, device=device), dtype))
+            if valid:
+                high, low = max(2 * high, cached[3]), min(low, cached[3] - cached[4].shape[1] + 1)
+            projected = self._project(torch.arange(high, low - 1, -1, device=device), dtype)
+            cached = ([w.clone() for w in weights], device, dtype, high, projected)
             self._projected = cached
-        top, projected = cached[1], cached[2]
+        top, projected = cached[3], cached[4]
         if distances.consecutive:
             return projected[:, top - distances.high : top - distances.low + 1], self.r_w_bias, self.r_r_bias
         return projected[:, top - distances.values], self.r_w_bias, self.r_r_bias
+
+    @staticmethod
+    def _same(kept: list, weights: list) -> bool:
+        """The weights the projections were made with, bit for bit: ``O(hidden²)``, on CPU by numpy (as long as
+        one matrix-vector product with them; ``torch.equal`` takes 3-5 times longer there)."""
+
+        def words(t):  # the raw bytes, as int64 words where size and alignment allow
+            t = t.reshape(-1)
+            whole = t.storage_offset() * t.element_size() % 8 == 0 and t.numel() * t.element_size() % 8 == 0
+            return t.view(torch.uint8).view(torch.int64) if whole else t.view(torch.uint8)
+
+        def same(k, w):
+            if k.shape != w.shape or k.dtype != w.dtype or k.device != w.device:
+                return False
+            if w.device.type == "cpu":
+                return bool(np.array_equal(words(k).numpy(), words(w).numpy()))
+            return torch.equal(words(k), words(w))
+
+        return len(kept) == len(weights) and all(same(k, w) for k, w in zip(kept, weights))
 
 
 @dataclass

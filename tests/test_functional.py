@@ -890,6 +890,16 @@ def test_log_decay_dtype_and_device():
     assert F.log_decay_bias(3, 5, scale=1.0).is_floating_point()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_log_decay_scale_beyond_the_dtype_has_no_nan(dtype):
+    """A scale past float32's range (the compute dtype of every dtype but float64) gives 0 on the diagonal and
+    -inf at every other distance, as the exact product rounds to, not NaN (-inf * ln 1) on the diagonal."""
+    got = F.log_decay_bias(3, 5, scale=1e39, past_length=2, dtype=dtype)
+    exact = log_decay_ref(3, 5, scale=1e39, past_length=2).to(dtype)  # float64, then rounded
+    assert not got.isnan().any()
+    assert torch.equal(got == 0, exact == 0) and (got[exact != 0].float() < -1e38).all()
+
+
 def test_log_decay_errors():
     with pytest.raises(ValueError) as ei:
         F.log_decay_bias(3, 3, scale=-0.1)

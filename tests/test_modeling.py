@@ -164,6 +164,58 @@ def test_absolute_positions_overflow(position_encoding):
     assert out.past_key_values.get_seq_length() == 16
 
 
+def test_token_ids_of_another_dtype_name_input_ids():
+    """Float or bool input_ids are a ValueError naming input_ids and the dtypes allowed (nn.Embedding's torch
+    error before); a cache is left as it was."""
+    model = build("t5_bias")
+    cache, length, snap = _prefilled(model)
+    for bad in (rand_ids(2, 2).float(), rand_ids(2, 2).bool(), rand_ids(2, 2).to(torch.int16)):
+        with pytest.raises(ValueError, match=rf"input_ids must be integer token ids .*{bad.dtype}"), torch.no_grad():
+            model(bad, past_key_values=cache, use_cache=True)
+        assert_cache_unchanged(cache, length, snap)
+    with torch.no_grad():  # int32 ids are nn.Embedding's other dtype: the same logits as int64
+        ids = rand_ids(2, 4)
+        assert_close(model(ids.int(), use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+def test_position_ids_of_another_batch_name_position_ids():
+    """position_ids of another batch than the input's (1 broadcasts, as in Transformers) are a ValueError
+    naming position_ids (a torch expand error before)."""
+    model = build("rope")
+    ids = rand_ids(2, 4)
+    for bad in (torch.arange(4).expand(3, -1), torch.arange(4).expand(4, -1)):
+        with pytest.raises(ValueError, match=r"position_ids must be \[batch=2 \(or 1\), seq_len=4\]"), torch.no_grad():
+            model(ids, position_ids=bad)
+    with torch.no_grad():
+        assert_close(model(ids, position_ids=torch.arange(4)[None]).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("position_encoding", ABSOLUTE)
+def test_negative_position_is_named_as_such(position_encoding):
+    """A negative position is reported as negative, not as past max_position_embeddings."""
+    model = build(position_encoding, max_position_embeddings=16)
+    with pytest.raises(ValueError) as info, torch.no_grad():
+        model(rand_ids(1, 3), position_ids=torch.tensor([[-1, 0, 1]]))
+    message = str(info.value)
+    assert "negative position -1" in message and "past max_position_embeddings" not in message, message
+
+
+@pytest.mark.parametrize("position_encoding", ["t5_bias", "transformer_xl", "learned"])
+def test_static_cache_overflow_names_the_cache(position_encoding):
+    """More tokens than a StaticCache's max_cache_len hold are a ValueError naming the cache, its size and the
+    size needed (an index_copy_ IndexError before); the cache is left as it was, and exactly full works."""
+    model = build(position_encoding)
+    cache = StaticCache(config=model.config, max_cache_len=6)
+    with torch.no_grad():
+        model(rand_ids(1, 4), past_key_values=cache, use_cache=True)
+        snap = cache_snapshot(cache)
+        with pytest.raises(ValueError, match=r"StaticCache of max_cache_len=6 holding 4 tokens.*max_cache_len >= 7"):
+            model(rand_ids(1, 3), past_key_values=cache, use_cache=True)
+        assert_cache_unchanged(cache, 4, snap)
+        model(rand_ids(1, 2), past_key_values=cache, use_cache=True)
+    assert int(cache.get_seq_length()) == 6
+
+
 @pytest.mark.parametrize(
     "other",
     [{"num_attention_heads": 2}, {"hidden_size": 48, "intermediate_size": 96}, {"num_hidden_layers": 3},
@@ -265,6 +317,31 @@ def test_fully_padded_row_is_finite(position_encoding, impl):
     with torch.no_grad():
         hidden = body(ids, attention_mask=mask).last_hidden_state
     assert torch.isfinite(hidden).all()
+
+
+@pytest.mark.parametrize("by", ["labels", "shift_labels"])
+def test_infinite_cross_entropy_is_infinite_not_zero(by):
+    """A loss whose cross-entropy overflows float32 (logits spanning +-3e38) is inf, as torch's cross-entropy
+    (float64, then float32) on the same logits, and NaN logits give NaN: only labels that are all ignored
+    give 0 (the loss was 0.0 for every non-finite value before)."""
+    model = build("t5_bias")
+    ids = rand_ids(2, 5, seed=3)
+    logits = torch.zeros(2, 5, VOCAB)
+    logits[0, 0, 0], logits[0, 0, 1] = 3e38, -3e38
+    shift = torch.full((2, 5), -100)
+    shift[0, 0] = 1  # the one counted label: the token after position 0 is 1, at logit -3e38
+    labels = torch.cat([torch.full((2, 1), -100), shift[:, :-1]], dim=1)
+    target = dict(labels=labels) if by == "labels" else dict(shift_labels=shift)
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, VOCAB).double(), shift.view(-1)).float()
+    assert expected.isinf()
+    crafted = {"logits": logits}
+    model.lm_head.register_forward_hook(lambda module, args, out: crafted["logits"].clone())
+    with torch.no_grad():
+        assert model(ids, **target).loss == expected
+        crafted["logits"] = torch.zeros(2, 5, VOCAB).index_put_((torch.tensor(0), torch.tensor(0)), torch.tensor(float("nan")))
+        assert model(ids, **target).loss.isnan()
+        ignored = model(ids, **{k: torch.full_like(v, -100) for k, v in target.items()}).loss
+    assert ignored.item() == 0.0
 
 
 @pytest.mark.parametrize("position_encoding", ENCODINGS)

@@ -285,6 +285,57 @@ def test_transformer_xl_projection_cache_follows_optimizer_steps(fused):
         torch.testing.assert_close(cached, fresh(ids).logits, rtol=0, atol=1e-6)
 
 
+def _through_data_copy(weight):
+    weight.data.copy_(weight.data.flip(0))
+
+
+def _through_data_mul(weight):
+    weight.data.mul_(1.5)
+
+
+def _in_place_without_grad(weight):
+    with torch.no_grad():
+        weight.add_(0.25)
+
+
+MUTATIONS = {"data.copy_": _through_data_copy, "data.mul_": _through_data_mul, "no_grad add_": _in_place_without_grad}
+
+
+@pytest.mark.parametrize("how", [*MUTATIONS, "load_state_dict"])
+def test_transformer_xl_projection_cache_follows_any_weight_update(how):
+    """The kept W_{k,R} R_d are rebuilt after any change of W_{k,R}: an update through .data changes neither
+    its storage nor its version (the cache's key before; cached and fresh logits differed by ~1)."""
+    model = build("transformer_xl")
+    other = build("transformer_xl", seed=1)
+    ids = rand_ids(2, 8, seed=3)
+    with torch.no_grad():
+        model(ids)  # fills each layer's cache
+        model(ids[:, :5])  # and reads it (a slice)
+    if how == "load_state_dict":
+        model.load_state_dict(other.state_dict())
+    else:
+        for layer in model.model.layers:
+            MUTATIONS[how](layer.self_attn.relative.r_net.weight)
+    fresh = build("transformer_xl", seed=2)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, fresh(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_log_decay_scale_beyond_float32_gives_finite_outputs():
+    """A log_decay_scale past float32's range (the bias' compute dtype) attends each query to itself alone, as
+    any scale large enough does, in every implementation and dtype: NaN logits with SDPA before."""
+    ids = rand_ids(2, 6, seed=5)
+    for impl in ("eager", "sdpa"):
+        for dtype in (torch.float32, torch.bfloat16):
+            huge = build("log_decay", log_decay_scale=1e39, impl=impl).to(dtype)
+            large = build("log_decay", log_decay_scale=1e38, impl=impl).to(dtype)  # same weights (same seed)
+            with torch.no_grad():
+                got, expected = huge(ids).logits, large(ids).logits
+            assert torch.isfinite(got).all(), (impl, dtype)
+            assert torch.equal(got, expected), (impl, dtype)
+
+
 @pytest.mark.parametrize("position_encoding,tensor,expected", [
     # upstream T5 (factor 1): the bucket table at d_model**-0.5, not initializer_range
     ("t5_bias", lambda m: m.model.position.relative_attention_bias.weight, 64**-0.5),

@@ -245,12 +245,32 @@ def test_packed_documents_match_documents_alone(position_encoding, impl, causal)
         assert_close(got, alone, atol=1e-5, what=f"packed by {name}")
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("position_encoding", ["alibi", "t5_bias", "shaw"])
+def test_restarting_position_ids_with_an_attention_mask_are_positions_only(position_encoding, impl, causal):
+    """As in Transformers' masks (packing is read from position_ids only when attention_mask is None), restarting
+    position_ids with a 2-D mask, even one of ones, separate no documents: these relative schemes, which take
+    no positions from position_ids, give the unpacked row. Before, a mask of ones was read as packing (the
+    row's logits changed by 0.24-0.31)."""
+    model = build(position_encoding, cls=RelPosModel, impl=impl, is_decoder=causal)
+    _, ids, position_ids = _packed()
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        unpacked = model(ids, attention_mask=ones).last_hidden_state
+        with_mask = model(ids, attention_mask=ones, position_ids=position_ids).last_hidden_state
+        packed = model(ids, position_ids=position_ids).last_hidden_state
+    assert_close(with_mask, unpacked, atol=1e-5, what="position_ids with a mask of ones vs no position_ids")
+    assert not torch.allclose(packed, unpacked, atol=1e-3)  # without the mask, the same position_ids do pack
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["mask-of-ones", "padded"])
 @pytest.mark.parametrize("position_encoding", ["alibi", "t5_bias"])
 def test_compiled_packed_rows_with_an_attention_mask_match_eager(position_encoding, padded):
-    """Traced by torch.compile, restarting position_ids with a 2-D attention_mask separate documents exactly
-    when eager does (a mask of ones: yes; padding: no). Before, a traced forward could not read the mask and
-    let documents attend to each other (review finding: logits off by 5-8)."""
+    """Traced by torch.compile, restarting position_ids with a 2-D attention_mask are read exactly as eager
+    reads them: as positions only, never as packed documents (as Transformers' masks), whether the mask is
+    all ones or pads. (Review finding, before: a traced forward let documents attend to each other where
+    eager separated them, logits off by 5-8; since issue 23 neither separates them with a mask.)"""
     model = build(position_encoding, cls=RelPosModel)
     _, ids, position_ids = _packed()
     mask = torch.ones_like(ids)
@@ -260,8 +280,10 @@ def test_compiled_packed_rows_with_an_attention_mask_match_eager(position_encodi
     with torch.no_grad():
         eager = model(ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
         traced = compiled(ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        unpacked = model(ids, attention_mask=mask).last_hidden_state
     live = mask[0].bool()
     assert_close(traced[0, live], eager[0, live], atol=1e-5, what="compiled vs eager")
+    assert_close(eager[0, live], unpacked[0, live], atol=1e-5, what="eager vs no position_ids")
 
 
 @pytest.mark.parametrize("position_encoding", ["t5_bias", "shaw", "rope"])
