@@ -281,7 +281,6 @@ def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]
     for folder, flag in ((out, "--output-dir"), (checkpoints_dir(out), "--output-dir's checkpoint folder")):
         if folder.exists() and not folder.is_dir():
             raise UserError(f"{flag} {str(folder)!r} is a file: give a folder path")
-    check_writable(out, checkpoints_dir(out))
     if int(os.environ.get("RANK", "0")) == 0:
         recover_interrupted_save(out)
     contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
@@ -309,14 +308,18 @@ def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]
                 raise UserError(f"--resume: {resume} is not a complete checkpoint ({problem}); give another one, or "
                                 "--resume alone for the newest complete one")
             return checkpoint
+        incomplete = []
         for checkpoint in _checkpoints(checkpoints):
             problem = checkpoint_problem(checkpoint)
             if problem is None:
+                if int(os.environ.get("RANK", "0")) == 0:  # newer ones cut short by a kill or a full disk
+                    for folder, why in incomplete:
+                        set_aside(folder, f"is not a complete checkpoint ({why})")
                 return checkpoint
-            if int(os.environ.get("RANK", "0")) == 0:
-                set_aside(checkpoint, f"is not a complete checkpoint ({problem})")
-        raise UserError(f"--resume: no checkpoint to resume from in {str(checkpoints)!r} (none there is complete); "
-                        "train without --resume first (or with --overwrite to start afresh)")
+            incomplete.append((checkpoint, problem))
+        found = f" ({incomplete[0][0].name} is not complete: {incomplete[0][1]})" if incomplete else ""
+        raise UserError(f"--resume: no checkpoint to resume from in {str(checkpoints)!r}{found}; train without "
+                        "--resume first (or with --overwrite to start afresh)")
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         if not overwrite:
             raise UserError(

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .common import (
-    RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, checkpoints_dir, evaluation_name, load_folder, output_lock,
-    position_table, prepare_output, replace_folder, set_aside, staging_dir, writing,
+    RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, check_writable, checkpoints_dir, evaluation_name, load_folder,
+    output_lock, position_table, prepare_output, replace_folder, set_aside, staging_dir, writing,
 )
 from .errors import Interrupted, UserError
 
@@ -75,6 +75,9 @@ def train_model(options: TrainOptions) -> dict:
             f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
             f"{options.position_encoding}"
         )
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
+    check_writable(out, checkpoints_dir(out))  # before any work (the lock is a file beside the folder)
     with output_lock(out, "train", options.argv):
         resume_from = prepare_output(out, overwrite=options.overwrite, resume=options.resume)
         if resume_from is not None:
