@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from .common import RUN_FILE, check_writable, checkpoints_dir, evaluation_name, last_checkpoint, output_lock
+from .common import (
+    RUN_FILE, check_writable, checkpoints_dir, evaluation_name, last_checkpoint, output_lock, writing,
+)
 from .errors import Interrupted, UserError
 from .model_card import format_ppl
 from .plotting import plot
@@ -142,11 +144,12 @@ def _compare(options: CompareOptions, out: Path, started: float) -> Path:
         "eval_tokens": options.eval_tokens, "evaluation": evaluation_name(options.seq_len, options.sliding),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     table = render_table(rows, options.seq_len, meta)
-    (out / "compare.md").write_text(table)
-    plot(rows, options.seq_len, factors, out / "compare.png", quick=meta["quick"])
+    with writing(out, f" and resume with: {resume_command(options.argv)} (the trained models are kept)"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        (out / "compare.md").write_text(table)
+        plot(rows, options.seq_len, factors, out / "compare.png", quick=meta["quick"])
     if not options.quiet:
         print(table)
     print(f"Wrote {out}/compare.md, compare.json and compare.png")
