@@ -170,7 +170,8 @@ def one_run(scenario: str, folder: Path, reference: dict, rng: random.Random, se
             if "no space left" in lines[0]:
                 stats["full disks"] += 1
         else:
-            return f"attempt {attempt} ({' '.join(argv[:1] + argv[-1:])}, {fault}): rc {proc.returncode}: {err.strip()[-600:]}"
+            return (f"attempt {attempt} ({' '.join(argv[:1] + argv[-1:])}, {fault}): rc {proc.returncode}: "
+                    f"{err.strip()[-600:]}")
         problem, steps = check_state(scenario, out, steps)
         if problem:
             return problem

@@ -114,8 +114,9 @@ def _faulty(plan, events):
     torch.save = wrap("torch.save", real_save, lambda obj, f, *a, **k: f)
     safe = wrap("save_file", real_safe, lambda tensors, filename, *a, **k: filename)
     transformers.modeling_utils.safe_save_file = hf_relpos.memory.save_file = safetensors.torch.save_file = safe
+    folder = lambda *a, **k: str(k["save_directory"] if "save_directory" in k else a[0])  # noqa: E731
     tok.TokenizersBackend._save_pretrained = wrap(
-        "tokenizer", real_tok, lambda self, *a, **k: os.path.join(str(k["save_directory"] if "save_directory" in k else a[0]), "tokenizer.json"))
+        "tokenizer", real_tok, lambda self, *a, **k: os.path.join(folder(*a, **k), "tokenizer.json"))
     os.rename = wrap("rename", real_rename, lambda src, dst, *a, **k: dst)
     os.replace = wrap("replace", real_replace, lambda src, dst, *a, **k: dst)
     os.rmdir = wrap("rmdir", real_rmdir, lambda path, *a, **k: path)

@@ -151,7 +151,8 @@ def recover_interrupted_save(out: Path, command: str = "train") -> None:
     if replaced.is_dir():
         if not out.exists():
             replaced.rename(out)
-            print(f"hf-relpos {command}: restored {out} (a save that was replacing it was interrupted)", file=sys.stderr)
+            print(f"hf-relpos {command}: restored {out} (a save that was replacing it was interrupted)",
+                  file=sys.stderr)
         else:
             shutil.rmtree(replaced)
     for staged in (staging_dir(out), *checkpoints_dir(out).glob(".saving-checkpoint-*")):
