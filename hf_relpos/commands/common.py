@@ -272,6 +272,13 @@ def output_lock(out: Path, command: str, argv=()):
         lock.release()
 
 
+def refuse_files(out: Path) -> None:
+    """A file where the model folder or its checkpoint folder goes is one line."""
+    for folder, flag in ((out, "--output-dir"), (checkpoints_dir(out), "--output-dir's checkpoint folder")):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"{flag} {str(folder)!r} is a file: give a folder path")
+
+
 def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]) -> Optional[Path]:
     """Refuse what would replace or delete a user's work; returns the checkpoint to resume from (or None).
 
@@ -279,9 +286,7 @@ def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]
     ``--overwrite`` (or continued with ``--resume``). An earlier run's checkpoints are renamed aside, never
     deleted.
     """
-    for folder, flag in ((out, "--output-dir"), (checkpoints_dir(out), "--output-dir's checkpoint folder")):
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"{flag} {str(folder)!r} is a file: give a folder path")
+    refuse_files(out)
     if int(os.environ.get("RANK", "0")) == 0:
         recover_interrupted_save(out)
     contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []

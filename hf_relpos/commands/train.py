@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 
 from .common import (
     RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, check_writable, checkpoints_dir, evaluation_name, load_folder,
-    output_lock, position_table, prepare_output, replace_folder, set_aside, staging_dir, writing,
+    output_lock, position_table, prepare_output, refuse_files, replace_folder, set_aside, staging_dir, writing,
 )
 from .errors import Interrupted, UserError
 
@@ -75,8 +75,7 @@ def train_model(options: TrainOptions) -> dict:
             f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
             f"{options.position_encoding}"
         )
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
+    refuse_files(out)
     check_writable(out, checkpoints_dir(out))  # before any work (the lock is a file beside the folder)
     with output_lock(out, "train", options.argv):
         resume_from = prepare_output(out, overwrite=options.overwrite, resume=options.resume)
