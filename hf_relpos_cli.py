@@ -200,9 +200,19 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def _given(argv: list, command: str) -> list:
+    """The options this command line gives itself (not argparse's defaults): parsed again with no defaults."""
+    root = parser()
+    commands = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+    for action in commands.choices[command]._actions:
+        action.default = argparse.SUPPRESS
+    return sorted(set(vars(root.parse_args(argv))) - {"command"})
+
+
 def main(argv: Optional[list] = None) -> int:
     args = parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.given = _given(args.argv, args.command)  # a resume takes the options not given from its checkpoint
     debug = args.debug or os.environ.get("HF_RELPOS_DEBUG", "") not in ("", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

@@ -153,6 +153,13 @@ class MemoryTrainer(Trainer):
         path = resume_from_checkpoint
         if path is True:
             path = get_last_checkpoint(self.args.output_dir)
+        memory = getattr(getattr(self.model, "config", None), "mem_len", 0) or 0
+        if isinstance(path, str) and memory > 0 and not os.path.isfile(os.path.join(path, mems_file(self.args.process_index))):
+            # a checkpoint cut short after trainer_state.json would otherwise resume silently without its memory
+            raise ValueError(
+                f"resume_from_checkpoint {path!r} holds no {mems_file(self.args.process_index)}: it is not a "
+                "complete MemoryTrainer checkpoint (resume from an earlier one)"
+            )
         if isinstance(path, str) and os.path.isfile(os.path.join(path, mems_file(self.args.process_index))):
             tensors = load_file(os.path.join(path, mems_file(self.args.process_index)))
             device = self.args.device

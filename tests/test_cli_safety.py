@@ -246,7 +246,9 @@ def test_resume_with_other_options_is_a_user_error(tmp_path, capsys):
     out = tmp_path / "model"
     assert run(["train", "--output-dir", str(out), *TINY, "--train-file", str(text), "--quiet"], capsys)[0] == 0
     checkpoints = sorted(p.name for p in (tmp_path / "model-checkpoints").iterdir())
-    code, _, err = run(["train", "--output-dir", str(out), *TINY, "--resume"], capsys)
+    other = tmp_path / "other.txt"  # options a resume does not give are the checkpoint's: give another file
+    other.write_text(" ".join(f"other{i % 89} words{i % 11}" for i in range(3000)))
+    code, _, err = run(["train", "--output-dir", str(out), *TINY, "--train-file", str(other), "--resume"], capsys)
     err = one_line_error(code, err, "train")
     assert "--train-file" in err and "resume with the original options" in err, err
     assert sorted(p.name for p in (tmp_path / "model-checkpoints").iterdir()) == checkpoints

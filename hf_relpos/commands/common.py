@@ -6,11 +6,18 @@ are renamed aside.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import shutil
+import socket
+import struct
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Optional, Union
 
@@ -42,9 +49,234 @@ def checkpoints_dir(out: Path) -> Path:
     return out.parent / f"{out.name}-checkpoints"
 
 
+# What a complete checkpoint holds besides hf_relpos_time.json (and, for Transformer-XL with memory,
+# mems-rank*.safetensors): the files Transformers' Trainer writes, at least one rng_state*.pth among them.
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "trainer_state.json", "optimizer.pt", "scheduler.pt",
+                    "training_args.bin")
+
+
+def _file_problem(path: Path) -> Optional[str]:
+    """Why a checkpoint file cannot be read back (None: it can): missing, empty or cut short."""
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    if size == 0:
+        return f"{path.name} is empty"
+    try:
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".safetensors":
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if 8 + length + end != size:
+                return f"{path.name} is cut short ({size} bytes of {8 + length + end})"
+        elif path.suffix in (".pt", ".pth", ".bin"):  # torch.save's zip archive: its directory is at the end
+            with zipfile.ZipFile(path) as archive:
+                last = max(archive.infolist(), key=lambda i: i.header_offset)
+                if last.header_offset + last.compress_size > size:
+                    return f"{path.name} is cut short"
+    except (ValueError, KeyError, struct.error, zipfile.BadZipFile, OSError, TypeError):
+        return f"{path.name} is damaged or cut short"
+    return None
+
+
+def checkpoint_problem(folder: Path) -> Optional[str]:
+    """Why ``folder`` is not a complete checkpoint of ``hf-relpos train`` (None: it is complete).
+
+    Complete: every file Trainer writes, the time record, and Transformer-XL's memory when the model has one,
+    each readable to its end. The one definition used by resume, compare and the fault-injection tests.
+    """
+    names = list(CHECKPOINT_FILES) + [TIME_FILE]
+    rng = sorted(p.name for p in folder.glob("rng_state*.pth"))
+    names += rng or ["rng_state.pth"]
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if config.get("position_encoding") == "transformer_xl" and (config.get("mem_len") or 0) > 0:
+        names += sorted(p.name for p in folder.glob("mems-rank*.safetensors")) or ["mems-rank0.safetensors"]
+    for name in names:
+        problem = _file_problem(folder / name)
+        if problem:
+            return problem
+    return None
+
+
+def _checkpoints(folder: Path) -> list:
+    """The checkpoint-<step> folders in ``folder``, newest step first."""
+    steps = [(int(p.name.split("-")[1]), p) for p in folder.glob("checkpoint-*")
+             if p.name.split("-")[1].isdigit() and p.is_dir()]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
 def last_checkpoint(folder: Path) -> Optional[Path]:
-    steps = [(int(p.name.split("-")[1]), p) for p in folder.glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
-    return max(steps)[1] if steps else None
+    """The newest complete checkpoint in ``folder`` (None if it holds none)."""
+    return next((p for p in _checkpoints(folder) if checkpoint_problem(p) is None), None)
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def set_aside(path: Path, why: str, command: str = "train") -> Path:
+    """Rename ``path`` beside itself as ``incomplete-<name>-<time>`` (never deleted), saying so in one line."""
+    aside = path.with_name(f"incomplete-{path.name.lstrip('.')}-{_stamp()}")
+    n = 1
+    while aside.exists():
+        aside, n = path.with_name(f"incomplete-{path.name.lstrip('.')}-{_stamp()}-{n}"), n + 1
+    path.rename(aside)
+    print(f"hf-relpos {command}: {path} {why}: renamed aside to {aside.name}", file=sys.stderr)
+    return aside
+
+
+def staging_dir(out: Path) -> Path:
+    """Where a folder is written before it is renamed into place (a sibling, so the rename is atomic)."""
+    return out.with_name(f".{out.name}.saving")
+
+
+def _replaced_dir(out: Path) -> Path:
+    return out.with_name(f".{out.name}.replaced")
+
+
+def recover_interrupted_save(out: Path, command: str = "train") -> None:
+    """Finish what a process killed while saving ``out`` (the model folder) or its checkpoints left.
+
+    A killed swap leaves the old folder as ``.<name>.replaced``: it is put back if ``out`` is missing, removed
+    if the new folder was already in place (the run had --overwrite or --resume). A partly written
+    ``.<name>.saving`` folder and a partly written checkpoint are renamed aside, never deleted.
+    """
+    replaced = _replaced_dir(out)
+    if replaced.is_dir():
+        if not out.exists():
+            replaced.rename(out)
+            print(f"hf-relpos {command}: restored {out} (a save that was replacing it was interrupted)",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(replaced)
+    for staged in (staging_dir(out), *checkpoints_dir(out).glob(".saving-checkpoint-*")):
+        if staged.exists():
+            set_aside(staged, "was being written when a run stopped", command)
+
+
+def replace_folder(staged: Path, out: Path) -> None:
+    """Put the fully written ``staged`` folder in place of ``out``: ``out`` is always the old or the new folder,
+    and a run killed in between leaves what :func:`recover_interrupted_save` finishes."""
+    replaced = _replaced_dir(out)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if out.exists():
+        out.rename(replaced)
+    staged.rename(out)
+    if replaced.exists():
+        shutil.rmtree(replaced)  # the model --overwrite or --resume asked to replace
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps) is a full disk: ENOSPC/EDQUOT, or torch's and safetensors' wrappers."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(error)
+        if "No space left on device" in text or "os error 28" in text or (
+                "inline_container.cc" in text and "unexpected pos" in text):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@contextlib.contextmanager
+def writing(folder: Path, resume_hint: str = ""):
+    """A full disk while writing ``folder`` becomes one line naming it (a :class:`UserError`)."""
+    try:
+        yield
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        raise UserError(f"no space left on the device while writing {folder}; free some space{resume_hint}") from error
+
+
+def check_writable(*folders: Path, flag: str = "--output-dir") -> None:
+    """Refuse at once (before any training) a folder that cannot be written: the nearest existing one of each
+    path must take a new file. Tried, not guessed from permission bits (root, read-only mounts, immutable files)."""
+    for folder in folders:
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        try:
+            if not existing.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(existing))
+            with tempfile.TemporaryFile(dir=existing, prefix=".hf-relpos-write-test"):
+                pass
+        except OSError as error:
+            reason = "no space left on the device" if is_disk_full(error) else (error.strerror or str(error)).lower()
+            raise UserError(f"{flag} {str(folder)!r} cannot be written ({existing}: {reason}); give a folder you "
+                            "can write to") from None
+
+
+@contextlib.contextmanager
+def output_lock(out: Path, command: str, argv=()):
+    """Hold ``out``'s lock (a file beside it, ``.<name>.lock``) while a command writes there.
+
+    A second command on the same folder gets one line naming the process that holds it (its pid, host and
+    command line are in ``.<name>.lock.json``). The lock is the kernel's (``filelock``), so it is free again
+    when its process dies; a record left by a dead process is reported and replaced. Under torchrun rank 0
+    alone locks (the other ranks are its helpers).
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out.with_name(f".{out.name}.lock")
+    info = out.with_name(f".{out.name}.lock.json")
+    lock = FileLock(str(lock_path), timeout=0)
+    try:
+        lock.acquire()
+        if not lock_path.exists():  # held by a run that removed it as it ended: this lock guards nothing now
+            lock.release()
+            lock.acquire()
+    except Timeout:
+        try:
+            holder = json.loads(info.read_text())
+            who = (f"process {holder['pid']} on {holder['host']} ({holder['command']}, since "
+                   f"{holder['started']})")
+        except (OSError, ValueError, KeyError):
+            who = "another process"
+        raise UserError(f"--output-dir {str(out)!r} is in use by {who}; wait for it to finish or give another "
+                        "--output-dir") from None
+    try:
+        try:
+            left = json.loads(info.read_text())
+            print(f"hf-relpos {command}: took over the lock on {out} left by process {left.get('pid')} on "
+                  f"{left.get('host')}, which is no longer running", file=sys.stderr)
+        except (OSError, ValueError, AttributeError):
+            pass
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "command": "hf-relpos " + " ".join(argv) if argv else f"hf-relpos {command}",
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        with writing(info.parent):
+            info.write_text(json.dumps(record))
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                info.unlink()  # this run's own record
+                if not out.is_dir():  # a command that wrote no model leaves no lock file (unlinked while held)
+                    lock_path.unlink()
+    finally:
+        lock.release()
+
+
+def refuse_files(out: Path) -> None:
+    """A file where the model folder or its checkpoint folder goes is one line."""
+    for folder, flag in ((out, "--output-dir"), (checkpoints_dir(out), "--output-dir's checkpoint folder")):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"{flag} {str(folder)!r} is a file: give a folder path")
 
 
 def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]) -> Optional[Path]:
@@ -54,9 +286,9 @@ def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]
     ``--overwrite`` (or continued with ``--resume``). An earlier run's checkpoints are renamed aside, never
     deleted.
     """
-    for folder, flag in ((out, "--output-dir"), (checkpoints_dir(out), "--output-dir's checkpoint folder")):
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"{flag} {str(folder)!r} is a file: give a folder path")
+    refuse_files(out)
+    if int(os.environ.get("RANK", "0")) == 0:
+        recover_interrupted_save(out)
     contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if contents:
         foreign = [name for name in contents if not MODEL_FILE.fullmatch(name)]
@@ -73,11 +305,27 @@ def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]
             )
     checkpoints = checkpoints_dir(out)
     if resume:
-        checkpoint = Path(resume) if isinstance(resume, str) else last_checkpoint(checkpoints)
-        if checkpoint is None or not (checkpoint / "trainer_state.json").is_file():
-            where = str(checkpoint) if isinstance(resume, str) else f"{str(checkpoints)!r}"
-            raise UserError(f"--resume: no checkpoint to resume from in {where}; train without --resume first")
-        return checkpoint
+        if isinstance(resume, str):
+            checkpoint = Path(resume)
+            if not checkpoint.is_dir():
+                raise UserError(f"--resume: no checkpoint to resume from in {resume}; train without --resume first")
+            problem = checkpoint_problem(checkpoint)
+            if problem:
+                raise UserError(f"--resume: {resume} is not a complete checkpoint ({problem}); give another one, or "
+                                "--resume alone for the newest complete one")
+            return checkpoint
+        incomplete = []
+        for checkpoint in _checkpoints(checkpoints):
+            problem = checkpoint_problem(checkpoint)
+            if problem is None:
+                if int(os.environ.get("RANK", "0")) == 0:  # newer ones cut short by a kill or a full disk
+                    for folder, why in incomplete:
+                        set_aside(folder, f"is not a complete checkpoint ({why})")
+                return checkpoint
+            incomplete.append((checkpoint, problem))
+        found = f" ({incomplete[0][0].name} is not complete: {incomplete[0][1]})" if incomplete else ""
+        raise UserError(f"--resume: no checkpoint to resume from in {str(checkpoints)!r}{found}; train without "
+                        "--resume first (or with --overwrite to start afresh)")
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         if not overwrite:
             raise UserError(
@@ -85,7 +333,10 @@ def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]
                 "--overwrite to start afresh (they are then renamed aside, not deleted)"
             )
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 alone moves files
-            aside = checkpoints.with_name(f"{checkpoints.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            aside = checkpoints.with_name(f"{checkpoints.name}.old-{_stamp()}")
+            n = 1
+            while aside.exists():
+                aside, n = checkpoints.with_name(f"{checkpoints.name}.old-{_stamp()}-{n}"), n + 1
             checkpoints.rename(aside)
             print(f"hf-relpos train: the earlier run's checkpoints were moved to {aside}", file=sys.stderr)
     return None

@@ -11,17 +11,23 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from .common import RUN_FILE, checkpoints_dir, evaluation_name, last_checkpoint
+from .common import (
+    RUN_FILE, check_writable, checkpoints_dir, evaluation_name, last_checkpoint, output_lock, writing,
+)
 from .errors import Interrupted, UserError
 from .model_card import format_ppl
 from .plotting import plot
 from .train import TrainOptions, resume_command, train_model
+
+# What a comparison folder holds: its table, record and plot, and the models it trained.
+COMPARE_FILE = re.compile(r"compare\.(md|json|png)|models")
 
 
 @dataclasses.dataclass
@@ -63,8 +69,6 @@ def compare(options: CompareOptions) -> Path:
     finished runs (scheme and seed) are read from their training records, which must hold this command's
     evaluation lengths and kind; the interrupted one resumes from its checkpoint. Returns the folder written.
     """
-    from tqdm.auto import tqdm
-
     started = time.perf_counter()
     if options.quick:
         options = dataclasses.replace(options, steps=min(options.steps, 60), seq_len=min(options.seq_len, 64),
@@ -74,11 +78,28 @@ def compare(options: CompareOptions) -> Path:
     out = Path(options.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
-    if out.is_dir() and any(out.iterdir()) and not (options.overwrite or options.resume):
+    contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [name for name in contents if not COMPARE_FILE.fullmatch(name)]
+    if foreign:  # as train: a folder of other files is never written into
+        raise UserError(
+            f"--output-dir {str(out)!r} holds files that are not an hf-relpos comparison ({', '.join(foreign[:3])}); "
+            "give a new or empty folder (nothing is replaced there, --overwrite or not)"
+        )
+    if contents and not (options.overwrite or options.resume):
         raise UserError(
             f"--output-dir {str(out)!r} already holds files: pass --overwrite to replace its table and plot "
             "(trained models are kept unless retrained) or --resume to continue an interrupted comparison"
         )
+    if options.resume and not (out / "models").is_dir():
+        raise UserError(f"--resume: no comparison to resume in {str(out)!r}; run without --resume first")
+    check_writable(out)
+    with output_lock(out, "compare", options.argv):
+        return _compare(options, out, started)
+
+
+def _compare(options: CompareOptions, out: Path, started: float) -> Path:
+    from tqdm.auto import tqdm
+
     schemes = options.schemes or list(_all_schemes())
     factors = tuple(sorted(set(options.factors) | {1}))  # L itself always: the training length's perplexity
     seeds = [options.seed + k for k in range(options.seeds)]
@@ -91,13 +112,17 @@ def compare(options: CompareOptions) -> Path:
         if done:
             _check_resumed_record(folder, options.seq_len, options.sliding, factors)
         else:
-            resume = True if options.resume and last_checkpoint(checkpoints_dir(folder)) is not None else None
+            checkpoints = checkpoints_dir(folder)
+            resumable = options.resume and last_checkpoint(checkpoints) is not None
+            # a run stopped before its first complete checkpoint starts afresh (what it left is renamed aside)
+            afresh = options.resume and not resumable and checkpoints.is_dir() and any(checkpoints.iterdir())
+            resume = True if resumable else None
             run = TrainOptions(
                 output_dir=str(folder), position_encoding=scheme, preset=options.preset, seq_len=options.seq_len,
                 steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
                 vocab_size=options.vocab_size, mem_len=options.mem_len if scheme == "transformer_xl" else None,
                 seed=seed, train_file=options.train_file, max_train_bytes=options.max_train_bytes,
-                eval_tokens=options.eval_tokens, overwrite=options.overwrite,
+                eval_tokens=options.eval_tokens, overwrite=options.overwrite or bool(afresh),
                 resume=resume, quiet=True, eval_factors=factors, sliding=options.sliding, argv=options.argv,
             )
             try:
@@ -120,11 +145,12 @@ def compare(options: CompareOptions) -> Path:
         "eval_tokens": options.eval_tokens, "evaluation": evaluation_name(options.seq_len, options.sliding),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     table = render_table(rows, options.seq_len, meta)
-    (out / "compare.md").write_text(table)
-    plot(rows, options.seq_len, factors, out / "compare.png", quick=meta["quick"])
+    with writing(out, f" and resume with: {resume_command(options.argv)} (the trained models are kept)"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        (out / "compare.md").write_text(table)
+        plot(rows, options.seq_len, factors, out / "compare.png", quick=meta["quick"])
     if not options.quiet:
         print(table)
     print(f"Wrote {out}/compare.md, compare.json and compare.png")

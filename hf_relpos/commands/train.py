@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .common import (
-    RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, checkpoints_dir, evaluation_name, last_checkpoint, load_folder,
-    position_table, prepare_output,
+    RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, check_writable, checkpoints_dir, evaluation_name, last_checkpoint,
+    load_folder, output_lock, position_table, prepare_output, refuse_files, replace_folder, set_aside, staging_dir,
+    writing,
 )
 from .errors import Interrupted, UserError
 
@@ -31,6 +32,8 @@ PRESETS = {
 # The options that shape the model and its data, recorded in each checkpoint: a resume must give the same ones.
 RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len", "train_file", "seed", "batch_size",
                "learning_rate")
+# Recorded too, and taken from the checkpoint by a resume that does not give them (a resume may train longer).
+RECORDED_OPTIONS = RUN_OPTIONS + ("steps", "eval_tokens")
 
 
 @dataclasses.dataclass
@@ -57,6 +60,8 @@ class TrainOptions:
     eval_factors: Sequence[int] = (1, 2, 4)  # test perplexity at seq_len × each
     sliding: bool = False  # evaluate with windows moving by seq_len tokens (compare --sliding)
     argv: Sequence[str] = ()  # the command line (without "hf-relpos"), recorded and used in the resume hint
+    # The options the command line gave (None: all of them); a resume takes the others from its checkpoint.
+    given: Optional[Sequence[str]] = None
 
     @classmethod
     def from_namespace(cls, args) -> "TrainOptions":
@@ -72,9 +77,14 @@ def train_model(options: TrainOptions) -> dict:
             f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
             f"{options.position_encoding}"
         )
-    resume_from = prepare_output(out, overwrite=options.overwrite, resume=options.resume)
-    with RemoveIfEmptyOnFailure(out, checkpoints_dir(out)):
-        return _train(options, out, resume_from)
+    refuse_files(out)
+    check_writable(out, checkpoints_dir(out))  # before any work (the lock is a file beside the folder)
+    with output_lock(out, "train", options.argv):
+        resume_from = prepare_output(out, overwrite=options.overwrite, resume=options.resume)
+        if resume_from is not None:
+            options = _resumed_options(options, resume_from)
+        with RemoveIfEmptyOnFailure(out, checkpoints_dir(out)):
+            return _train(options, out, resume_from)
 
 
 def build_config(scheme: str, preset: str, seq_len: int, vocab_size: int, mem_len: Optional[int]):
@@ -164,16 +174,14 @@ class _Bookkeeping:
             def seconds(self) -> float:
                 return self.previous + time.time() - self.started
 
+            def record(self) -> dict:
+                """The time record each checkpoint holds (written with it: part of a complete checkpoint)."""
+                return {"train_seconds": round(self.seconds(), 1), "options": options}
+
             def on_step_end(self, args, state, control, **kwargs):
                 if self.interrupted:
                     control.should_save = True
                     control.should_training_stop = True
-
-            def on_save(self, args, state, control, **kwargs):
-                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                if state.is_world_process_zero and folder.is_dir():
-                    record = {"train_seconds": round(self.seconds(), 1), "options": options}
-                    (folder / TIME_FILE).write_text(json.dumps(record))
 
         return Bookkeeping()
 
@@ -216,17 +224,70 @@ class _Divergence:
         return Divergence()
 
 
+def _whole_checkpoints(base, record, hint: str):
+    """``base`` (``Trainer`` or ``MemoryTrainer``) whose checkpoints appear whole or not at all: each is
+    written (Trainer's files, Transformer-XL's memory, the time record) into ``.saving-checkpoint-N/`` and
+    renamed into place; older checkpoints are rotated out only then. A full disk is one line naming the folder."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+    class WholeCheckpoints(base):
+        _staging = None
+
+        def _get_output_dir(self, trial):
+            return self._staging if self._staging is not None else super()._get_output_dir(trial)
+
+        def _save_checkpoint(self, model, trial):
+            run_dir = Path(super()._get_output_dir(trial))
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            self._staging = str(run_dir / f".saving-{name}")
+            try:
+                with writing(run_dir / name, hint):
+                    super()._save_checkpoint(model, trial)
+                    staged = Path(self._staging) / name
+                    if self.args.should_save:
+                        (staged / TIME_FILE).write_text(json.dumps(record()))
+                    self.accelerator.wait_for_everyone()  # every rank's files are in
+                    if self.args.should_save:
+                        target = run_dir / name
+                        if target.exists():  # resumed from an older checkpoint given by path
+                            set_aside(target, "is replaced by a new save of the same step")
+                        staged.rename(target)
+                        os.rmdir(self._staging)
+                        rotate_checkpoints(str(run_dir), self.args.save_total_limit, use_mtime=False,
+                                           best_model_checkpoint=self.state.best_model_checkpoint or str(target))
+                    self.accelerator.wait_for_everyone()
+            finally:
+                self._staging = None
+
+    WholeCheckpoints.__name__ = WholeCheckpoints.__qualname__ = base.__name__
+    return WholeCheckpoints
+
+
 def _run_options(run: TrainOptions) -> dict:
-    options = {name: getattr(run, name) for name in RUN_OPTIONS}
+    options = {name: getattr(run, name) for name in RECORDED_OPTIONS}
     if options["train_file"]:  # the files themselves, wherever the command runs from
         options["train_file"] = [str(Path(f).resolve()) for f in options["train_file"]]
     return options
 
 
+def _saved_options(resume_from: Path) -> dict:
+    record = resume_from / TIME_FILE
+    return (json.loads(record.read_text()).get("options") if record.is_file() else None) or {}
+
+
+def _resumed_options(options: TrainOptions, resume_from: Path) -> TrainOptions:
+    """A resume continues the run as recorded in its checkpoint: the options the command line did not give
+    are the checkpoint's (``hf-relpos train --output-dir X --resume`` alone continues it)."""
+    if options.given is None:
+        return options
+    saved = _saved_options(resume_from)
+    taken = {name: saved[name] for name in RECORDED_OPTIONS if name in saved and name not in options.given}
+    return dataclasses.replace(options, **taken)
+
+
 def _check_resume_options(resume_from: Path, options: dict) -> None:
     """A resume continues the same run: the options that shape the model and data must be the checkpoint's."""
-    record = resume_from / TIME_FILE
-    saved = json.loads(record.read_text()).get("options") if record.is_file() else None
+    saved = _saved_options(resume_from)
     if not saved:
         return  # a checkpoint from before options were recorded
     changed = [name for name in RUN_OPTIONS if name in saved and saved[name] != options[name]]
@@ -329,6 +390,9 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
         use_cpu=distributed_cpu,
         ddp_backend="gloo" if distributed_cpu else None,
     )
+    hint = f" and resume with: {resume_command(options.argv)} (the last complete checkpoint is kept)"
+    book = None
+    trainer_class = _whole_checkpoints(trainer_class, lambda: book.record(), hint)
     trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
@@ -349,7 +413,15 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
 
     handler = signal.signal(signal.SIGINT, on_interrupt) if _main_thread() else None
     try:
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
+        if resume_from is not None and _global_step(resume_from) >= options.steps:
+            # A finished run (say, killed while writing its model folder): its model and record as they were.
+            # Trainer would take one more step (at learning rate 0) and log that step's loss.
+            from transformers import TrainerState
+
+            trainer._load_from_checkpoint(str(resume_from))
+            trainer.state = TrainerState.load_from_json(str(resume_from / "trainer_state.json"))
+        else:
+            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from is not None else None)
     finally:
         if handler is not None:
             signal.signal(signal.SIGINT, handler)
@@ -373,8 +445,6 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=64
     )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     test = streams["test"]
     max_tokens = options.eval_tokens
     stride = options.seq_len if options.sliding else None
@@ -406,13 +476,26 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     }
     if with_memory:
         summary["test_ppl_with_memory"] = segment_perplexity(model, test, options.seq_len, max_tokens=max_tokens)
-    (out / RUN_FILE).write_text(json.dumps(summary, indent=2))
-    write_model_card(out, summary)
+    # The whole folder is written beside --output-dir, then renamed into place: the folder is always the old
+    # model or the new one (an interrupted swap is finished by the next run: common.recover_interrupted_save).
+    staged = staging_dir(out)
+    with writing(out, hint):
+        if staged.exists():
+            set_aside(staged, "was being written when a run stopped")
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        (staged / RUN_FILE).write_text(json.dumps(summary, indent=2))
+        write_model_card(staged, summary)
+        replace_folder(staged, out)
     line = f"Saved to {out}/ — test perplexity at length {options.seq_len}: {summary['test_ppl']:.2f}"
     if with_memory:
         line += f" ({summary['test_ppl_with_memory']:.2f} with memory {config.mem_len})"
     print(line)
     return summary
+
+
+def _global_step(checkpoint: Path) -> int:
+    return json.loads((checkpoint / "trainer_state.json").read_text()).get("global_step", 0)
 
 
 def _main_thread() -> bool:
