@@ -20,6 +20,7 @@ Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Optional
@@ -47,15 +48,19 @@ COMMANDS = {
 }
 
 
-def _number(kind, minimum, strict: bool):
+def _number(kind, minimum, strict: bool, maximum=None):
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a{'n int' if kind is int else ' number'}, got {text!r}")
+        if kind is float and not math.isfinite(value):  # nan passes every comparison below; inf trains a NaN model
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < minimum or (strict and value == minimum):
             bound = f"> {minimum}" if strict else f">= {minimum}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {text}")
         return value
 
     return parse
@@ -65,6 +70,13 @@ positive_int = _number(int, 1, strict=False)
 non_negative_int = _number(int, 0, strict=False)
 non_negative_float = _number(float, 0.0, strict=False)
 positive_float = _number(float, 0.0, strict=True)
+# A sequence of one token has no next token to predict inside it (training's loss is 0, its "perplexity" 1.00) and
+# attends to itself alone, so no position scheme does anything: 2 is the shortest length that measures something.
+MIN_SEQ_LEN = 2
+sequence_length = _number(int, MIN_SEQ_LEN, strict=False)
+# What every seeded generator takes (NumPy's, through transformers.set_seed, stops at 2**32 - 1; torch's at 2**64).
+MAX_SEED = 2**32 - 1
+seed_number = _number(int, 0, strict=False, maximum=MAX_SEED)
 
 
 vocab_size = _number(int, MIN_VOCAB, strict=False)
@@ -112,14 +124,14 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _add_training_arguments(p, steps: int, seq_len: int) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size")
-    p.add_argument("--seq-len", type=positive_int, default=seq_len, help="training sequence length L (tokens)")
+    p.add_argument("--seq-len", type=sequence_length, default=seq_len, help=f"training sequence length L (tokens, >= {MIN_SEQ_LEN})")
     p.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps")
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per optimizer step")
     p.add_argument("--learning-rate", type=positive_float, default=2e-3, help="peak AdamW learning rate (cosine schedule)")
     p.add_argument("--vocab-size", type=vocab_size, default=2048, help=f"BPE vocabulary trained on the corpus (>= {MIN_VOCAB})")
     p.add_argument("--mem-len", type=non_negative_int, default=None,
                    help="Transformer-XL memory in tokens (transformer_xl only; default: the sequence length)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (model init, data order)")
+    p.add_argument("--seed", type=seed_number, default=0, help=f"random seed (model init, data order; 0 to {MAX_SEED})")
     p.add_argument("--train-file", nargs="+", default=None, metavar="PATH",
                    help="your own UTF-8 text files instead of the embedded corpus (Python's bundled docs)")
     p.add_argument("--max-train-bytes", type=positive_int, default=MAX_TEXT_BYTES, metavar="BYTES",
@@ -158,13 +170,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate")
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="sampling temperature; 0 for greedy")
     p.add_argument("--top-k", type=positive_int, default=40, help="sample among the k likeliest tokens")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--seed", type=seed_number, default=0, help=f"random seed for sampling (0 to {MAX_SEED})")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
 
     p = command("eval", "perplexity of a folder at L, 2L, 4L (and with memory)")
     p.add_argument("folder", help="a folder written by `hf-relpos train`")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="L (default: the training length)")
-    p.add_argument("--factors", type=positive_int, nargs="+", default=[1, 2, 4], help="evaluation lengths as multiples of L")
+    p.add_argument("--seq-len", type=sequence_length, default=None, help=f"L (>= {MIN_SEQ_LEN}; default: the training length)")
+    p.add_argument("--factors", type=positive_int, nargs="+", default=[1, 2, 4],
+                   help="evaluation lengths as multiples of L (each at most the tokens evaluated)")
     p.add_argument("--eval-file", nargs="+", default=None, metavar="PATH",
                    help="UTF-8 text files whose last 5%% is evaluated (default: the embedded corpus' test split)")
     p.add_argument("--max-eval-bytes", type=positive_int, default=MAX_TEXT_BYTES, metavar="BYTES",
@@ -211,6 +224,10 @@ def _given(argv: list, command: str) -> list:
 
 def main(argv: Optional[list] = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "compare" and args.seed + args.seeds - 1 > MAX_SEED:  # compare runs seeds --seed, --seed + 1, ...
+        print(f"hf-relpos compare: error: --seed {args.seed} with --seeds {args.seeds} runs seeds up to "
+              f"{args.seed + args.seeds - 1}, past {MAX_SEED} (see hf-relpos compare --help)", file=sys.stderr)
+        return 2
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.given = _given(args.argv, args.command)  # a resume takes the options not given from its checkpoint
     debug = args.debug or os.environ.get("HF_RELPOS_DEBUG", "") not in ("", "0")

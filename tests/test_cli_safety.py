@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import hf_relpos
 import hf_relpos_cli
 import hf_relpos.commands.compare
 import hf_relpos.commands.train
-from hf_relpos.commands.common import RUN_FILE, TIME_FILE
+from hf_relpos.commands.common import RUN_FILE, TIME_FILE, library_output_off
 from hf_relpos.commands.errors import UserError
 from hf_relpos.commands.plotting import plot
 from hf_relpos.commands.train import PRESETS
@@ -158,6 +159,237 @@ def test_debug_shows_the_traceback_and_unexpected_errors_are_not_hidden(tmp_path
     monkeypatch.setattr(hf_relpos.commands.train, "eval_command", broken)  # main looks it up by name
     with pytest.raises(RuntimeError):  # the console script prints its traceback and exits 1
         hf_relpos_cli.main(["eval", str(tmp_path)])
+
+
+# ---------------------------------------------------------------------------
+# 1b. foreign and damaged folders: no code from the folder runs, every damage is one line
+# ---------------------------------------------------------------------------
+
+
+def _planted(folder: Path, marker: Path) -> Path:
+    """``folder`` with Python in it that writes ``marker`` when imported: each of its .py files (the saved model
+    code), and a tokenizer module ``planted_tokenizer.py``."""
+    line = f"import pathlib; pathlib.Path({str(marker)!r}).write_text(__name__)\n"
+    for code in folder.glob("*.py"):
+        code.write_text(line + code.read_text())
+    (folder / "planted_tokenizer.py").write_text(
+        line + "from transformers import PreTrainedTokenizerFast\n\n\nclass PlantedTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    return folder
+
+
+def _edit_json(file: Path, **fields) -> None:
+    file.write_text(json.dumps({**json.loads(file.read_text()), **fields}))
+
+
+FOLDER_COMMANDS = (["generate", "--max-new-tokens", "2", "--quiet"], ["eval", "--eval-tokens", "64"], ["inspect"])
+
+
+def test_commands_run_no_code_from_the_model_folder(trained, tmp_path, capsys):
+    marker = tmp_path / "code-ran"
+    plain = _planted(Path(shutil.copytree(trained / "t5_bias", tmp_path / "plain")), marker)
+    for command, *options in FOLDER_COMMANDS:  # the folder's copies of the model code are never imported
+        extra = ["--output-dir", str(tmp_path / "figures")] if command == "inspect" else []
+        code, _, err = run([command, str(plain), *options, *extra], capsys)
+        assert code == 0 and not marker.exists(), (command, err, marker.exists() and marker.read_text())
+
+    asks_tokenizer = shutil.copytree(plain, tmp_path / "tokenizer-auto-map")
+    _edit_json(asks_tokenizer / "tokenizer_config.json", tokenizer_class="PlantedTokenizer",
+               auto_map={"AutoTokenizer": [None, "planted_tokenizer.PlantedTokenizer"]})
+    asks_config = shutil.copytree(plain, tmp_path / "config-auto-map")
+    config = json.loads((asks_config / "config.json").read_text())
+    _edit_json(asks_config / "config.json", auto_map={**config["auto_map"],
+                                                      "AutoTokenizer": [None, "planted_tokenizer.PlantedTokenizer"]})
+    for folder, file in ((asks_tokenizer, "tokenizer_config.json"), (asks_config, "config.json")):
+        for command, *options in FOLDER_COMMANDS:
+            code, _, err = run([command, str(folder), *options], capsys)
+            err = one_line_error(code, err, command)
+            assert f"{folder / file} asks for custom tokenizer code" in err and "planted_tokenizer" in err, err
+            assert not marker.exists(), (command, marker.read_text())
+
+
+def _truncated(name: str, keep: int):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes()[:keep])
+
+
+DAMAGED = {  # damage: (how, what the line must name); commands: all three unless listed
+    "truncated weights": (_truncated("model.safetensors", 5000), ["model.safetensors is damaged or truncated"]),
+    "weights cut short at the end": (lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:-64]), ["model.safetensors is damaged or truncated"]),
+    "empty weights": (_truncated("model.safetensors", 0), ["model.safetensors is empty (0 bytes)"]),
+    "missing weights": (lambda d: (d / "model.safetensors").unlink(), ["has no model.safetensors"]),
+    "weights of another shape": (lambda d: _edit_json(d / "config.json", vocab_size=500),
+                                 ["model.safetensors does not match", "embed_tokens.weight [300, 128]"]),
+    "config field of a wrong type": (lambda d: _edit_json(d / "config.json", hidden_size="128"),
+                                     ["config.json: ", "hidden_size", "'128'"]),
+    "unknown position_encoding": (lambda d: _edit_json(d / "config.json", position_encoding="bogus"),
+                                  ["config.json: ", "position_encoding", "'bogus'"]),
+    "config not an object": (lambda d: (d / "config.json").write_text("[1, 2]"), ["config.json holds a JSON list"]),
+    "missing tokenizer.json": (lambda d: (d / "tokenizer.json").unlink(), ["has no tokenizer (tokenizer.json)"]),
+    "damaged tokenizer.json": (_truncated("tokenizer.json", 100), ["tokenizer.json cannot be loaded"]),
+    "damaged tokenizer_config.json": (_truncated("tokenizer_config.json", 10),
+                                      ["tokenizer_config.json cannot be read as JSON"]),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_a_damaged_folder_is_one_line_naming_the_file(case, trained, tmp_path, capsys):
+    damage, expected = DAMAGED[case]
+    folder = Path(shutil.copytree(trained / "t5_bias", tmp_path / "model"))
+    damage(folder)
+    for command, *options in FOLDER_COMMANDS:
+        code, out, err = run([command, str(folder), *options], capsys)
+        err = one_line_error(code, err, command)
+        assert all(text in err for text in expected), (command, err)
+        assert out == ""
+    assert not (folder / "inspect").exists()
+
+
+def test_a_damaged_training_record_is_one_line(trained, tmp_path, capsys):
+    folder = Path(shutil.copytree(trained / "t5_bias", tmp_path / "model"))
+    for record in ('{"seq_len": "16"}', "[16]", "{"):
+        (folder / RUN_FILE).write_text(record)
+        for command, flag in (("eval", "--seq-len"), ("inspect", "--distance")):
+            code, _, err = run([command, str(folder), "--output-dir", str(tmp_path / "f")][: 2 if command == "eval"
+                                                                                               else 4], capsys)
+            err = one_line_error(code, err, command)
+            assert f"{flag} is needed" in err and RUN_FILE in err, err
+    code, _, err = run(["eval", str(folder), "--seq-len", "16", "--factors", "1", "--eval-tokens", "64"], capsys)
+    assert code == 0, err
+
+
+def _t5(folder: Path, **fields) -> Path:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    import torch
+
+    torch.manual_seed(0)
+    defaults = dict(vocab_size=99, d_model=16, d_ff=32, num_layers=2, num_heads=2, d_kv=8,
+                    relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                    dropout_rate=0.0)  # fmt: skip
+    config = T5Config(**{**defaults, **fields})
+    with library_output_off():  # no "Writing model shards" bar in the captured output
+        T5ForConditionalGeneration(config).save_pretrained(folder)
+    return folder
+
+
+CONVERT_DAMAGED = {
+    "truncated weights": (_truncated("model.safetensors", 3000), ["model.safetensors is damaged or truncated"]),
+    "empty weights": (_truncated("model.safetensors", 0), ["model.safetensors is empty (0 bytes)"]),
+    "config field of a wrong type": (lambda d: _edit_json(d / "config.json", d_model="16"),
+                                     ["config.json cannot be read", "d_model"]),
+    "weights of another shape": (lambda d: _edit_json(d / "config.json", d_ff=64),
+                                 ["do not match its config.json", "DenseReluDense.wi.weight [32, 16]"]),
+    "another model_type": (lambda d: _edit_json(d / "config.json", model_type="bart"), ["holds a 'bart' model"]),
+}
+
+
+def test_convert_t5_of_damaged_or_foreign_folders_is_one_line(trained, tmp_path, capsys):
+    source = _t5(tmp_path / "t5")
+    for case, (damage, expected) in CONVERT_DAMAGED.items():
+        folder = Path(shutil.copytree(source, tmp_path / case.replace(" ", "-")))
+        damage(folder)
+        code, _, err = run(["convert-t5", str(folder), str(tmp_path / "out")], capsys)
+        err = one_line_error(code, err, "convert-t5")
+        assert all(text in err for text in expected), (case, err)
+    # an hf-relpos folder is not a T5 (today: a StrictDataclassFieldValidationError traceback)
+    code, _, err = run(["convert-t5", str(trained / "t5_bias"), str(tmp_path / "out")], capsys)
+    assert "holds a 'relpos' model" in one_line_error(code, err, "convert-t5")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_t5_of_a_decoder_deeper_than_its_encoder_is_one_line_or_converts(tmp_path, capsys):
+    """Upstream T5's own generate fails on such a model (an IndexError in its cache, Transformers 5.21-5.24): the
+    conversion cannot be checked, and says so in one line; a Transformers that fixes it converts it."""
+    source = _t5(tmp_path / "deep", num_layers=1, num_decoder_layers=2)
+    code, out, err = run(["convert-t5", str(source), str(tmp_path / "out")], capsys)
+    if code == 0:
+        assert "greedy identical" in out and (tmp_path / "out" / "model.safetensors").is_file()
+    else:
+        assert "num_decoder_layers 2 > num_layers 1" in one_line_error(code, err, "convert-t5")
+        assert not (tmp_path / "out").exists()
+
+
+def _unwritable_outputs(tmp_path: Path) -> list:
+    """Output folders this process cannot write: one below a file (for every user), one in a read-only folder."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    outputs = [(a_file / "out", "is a file, not a folder")]
+    if os.geteuid() != 0:  # root writes whatever the mode says
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        outputs.append((locked / "out", "cannot be written"))
+    return outputs
+
+
+def test_inspect_and_convert_t5_refuse_an_unwritable_output_before_any_work(trained, tmp_path, monkeypatch, capsys):
+    import hf_relpos.commands.inspect
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output folder was checked")
+
+    source = _t5(tmp_path / "t5")
+    monkeypatch.setattr(hf_relpos.commands.inspect, "load_folder", no_work)
+    monkeypatch.setattr(transformers.T5ForConditionalGeneration, "from_pretrained", no_work)
+    for out, expected in _unwritable_outputs(tmp_path):
+        code, _, err = run(["inspect", str(trained / "t5_bias"), "--output-dir", str(out)], capsys)
+        err = one_line_error(code, err, "inspect")
+        assert err.startswith(f"hf-relpos inspect: error: --output-dir {str(out)!r}") and expected in err, err
+        code, _, err = run(["convert-t5", str(source), str(out)], capsys)
+        err = one_line_error(code, err, "convert-t5")
+        assert err.startswith(f"hf-relpos convert-t5: error: OUT_FOLDER {str(out)!r}") and expected in err, err
+
+
+def test_check_writable_leaves_nothing_behind(tmp_path):
+    from hf_relpos.commands.common import check_writable
+
+    check_writable(tmp_path, flag="--output-dir")
+    check_writable(tmp_path / "new" / "deeper", flag="--output-dir")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["train", "--learning-rate", "nan"], "argument --learning-rate: must be a finite number, got nan"),
+        (["train", "--learning-rate", "inf"], "argument --learning-rate: must be a finite number, got inf"),
+        (["compare", "--learning-rate", "NaN"], "argument --learning-rate: must be a finite number, got NaN"),
+        (["train", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["train", "--seed", str(2**32)], f"argument --seed: must be <= {2**32 - 1}"),
+        (["generate", "folder", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["generate", "folder", "--temperature", "inf"], "argument --temperature: must be a finite number"),
+        (["train", "--seq-len", "1"], "argument --seq-len: must be >= 2, got 1"),
+        (["compare", "--seq-len", "1"], "argument --seq-len: must be >= 2, got 1"),
+        (["eval", "folder", "--seq-len", "1"], "argument --seq-len: must be >= 2, got 1"),
+        (["compare", "--seed", str(2**32 - 2), "--seeds", "3"], f"runs seeds up to {2**32}, past {2**32 - 1}"),
+    ],
+)
+def test_numbers_outside_what_a_run_can_use_are_refused_by_the_parser(argv, expected, tmp_path, capsys):
+    if argv[0] in ("train", "compare"):  # tiny settings first (the case's flag, later, wins): were it accepted,
+        quick = ["--quick", "--schemes", "alibi", "--seeds", "1"] if argv[0] == "compare" else []  # a short run
+        argv = [argv[0], *TINY, *quick, *argv[1:], "--output-dir", str(tmp_path / "never")]
+    try:
+        code = hf_relpos_cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = one_line_error(code, capsys.readouterr().err, argv[0])
+    assert expected in err, err
+    assert not (tmp_path / "never").exists()
+
+
+def test_eval_refuses_a_length_longer_than_the_tokens_evaluated(trained, tmp_path, capsys):
+    """--factors 200 at L = 16 is 3,200 tokens: from 2,000 tokens it would print ppl@3200 of one short segment."""
+    folder = str(trained / "t5_bias")
+    code, out, err = run(["eval", folder, "--factors", "1", "200", "--eval-tokens", "2000"], capsys)
+    err = one_line_error(code, err, "eval")
+    assert "--factors 200 gives length 3200" in err and "2000 tokens evaluated" in err and "--eval-tokens 2000" in err
+    assert out == ""
+    small = _text(tmp_path / "small-eval.txt", 4000)  # its last 5%: about 200 characters
+    code, _, err = run(["eval", folder, "--eval-file", str(small), "--factors", "1", "40"], capsys)
+    assert "--factors 40 gives length 640" in err and "all of the held-out text" in one_line_error(code, err, "eval")
+    code, out, err = run(["eval", folder, "--factors", "1", "4", "--eval-tokens", "64"], capsys)  # 4L = 64: allowed
+    assert code == 0 and "ppl@64" in out, err
 
 
 # ---------------------------------------------------------------------------
@@ -334,6 +566,42 @@ def test_generate_quiet_prints_only_the_text(trained, capfd):
                                "--temperature", "0", "--quiet"]) == 0  # fmt: skip
     out, err = capfd.readouterr()
     assert out.startswith("The") and out.count("\n") == 1 and err == ""
+
+
+def test_generate_quiet_streams_so_an_interrupted_run_keeps_its_text(trained, tmp_path, capfd):
+    """``generate --quiet > file`` stopped by Ctrl-C keeps the text written so far: the text goes to stdout as it
+    comes, flushed, in quiet mode too (it was printed once, at the end: an interrupted run kept nothing)."""
+    import time
+
+    prompt = "The for statement"
+    assert hf_relpos_cli.main(["generate", str(trained / "t5_bias"), "--prompt", prompt, "--max-new-tokens", "40",
+                               "--temperature", "0", "--quiet"]) == 0  # fmt: skip
+    greedy = capfd.readouterr().out.rstrip("\n")
+    assert greedy.startswith(prompt) and len(greedy) > len(prompt) + 10
+
+    text = tmp_path / "generated.txt"
+    with text.open("w") as stdout:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hf_relpos.cli", "generate", str(trained / "t5_bias"), "--prompt", prompt,
+             "--max-new-tokens", "100000", "--temperature", "0", "--quiet"],
+            stdout=stdout, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while len(text.read_text()) <= len(prompt) + 10 and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert process.poll() is None, "generate ended before it was interrupted"
+            assert len(text.read_text()) > len(prompt) + 10, "nothing streamed to stdout while generating"
+            process.send_signal(signal.SIGINT)
+            _, err = process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 130 and err.strip().endswith("hf-relpos generate: interrupted"), err
+    kept = text.read_text()
+    shared = min(len(kept), len(greedy))
+    assert kept[:shared] == greedy[:shared]  # the greedy text, as far as either goes
 
 
 # ---------------------------------------------------------------------------

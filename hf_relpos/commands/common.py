@@ -199,22 +199,26 @@ def writing(folder: Path, resume_hint: str = ""):
         raise UserError(f"no space left on the device while writing {folder}; free some space{resume_hint}") from error
 
 
-def check_writable(*folders: Path, flag: str = "--output-dir") -> None:
-    """Refuse at once (before any training) a folder that cannot be written: the nearest existing one of each
-    path must take a new file. Tried, not guessed from permission bits (root, read-only mounts, immutable files)."""
-    for folder in folders:
+def check_writable(*folders: Union[str, Path], flag: str = "--output-dir") -> None:
+    """Refuse at once (before any work, not at the final save) a folder that cannot be written: each must be a
+    folder (or not exist yet) under which this process can create a file. Tried, not guessed from permission
+    bits (root, read-only mounts, ACLs, immutable files); the unnamed temporary file leaves nothing behind."""
+    for folder in map(Path, folders):
         existing = folder
-        while not existing.exists() and existing != existing.parent:
+        while not existing.exists() and existing != existing.parent:  # what mkdir(parents=True) would create under
             existing = existing.parent
+        if existing == folder and not folder.is_dir():
+            raise UserError(f"{flag} {str(folder)!r} is a file: give a folder path")
+        if not existing.is_dir():
+            raise UserError(f"{flag} {str(folder)!r} cannot be created: {str(existing)!r} is a file, not a folder")
         try:
-            if not existing.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(existing))
             with tempfile.TemporaryFile(dir=existing, prefix=".hf-relpos-write-test"):
                 pass
         except OSError as error:
-            reason = "no space left on the device" if is_disk_full(error) else (error.strerror or str(error)).lower()
-            raise UserError(f"{flag} {str(folder)!r} cannot be written ({existing}: {reason}); give a folder you "
-                            "can write to") from None
+            reason = "no space left on the device" if is_disk_full(error) else (error.strerror or one_line(error))
+            where = "" if existing == folder else f" (in {str(existing)!r})"
+            raise UserError(f"{flag} {str(folder)!r} cannot be written{where}: {reason}; give a folder you can "
+                            "write to") from None
 
 
 @contextlib.contextmanager
@@ -359,17 +363,42 @@ class RemoveIfEmptyOnFailure:
         return False
 
 
-def load_folder(folder: str):
-    """The model and tokenizer of a folder written by ``train``; a UserError says what is wrong with any other."""
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (a library's message may span several)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON file that must hold an object; a UserError names the file otherwise."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise UserError(f"{file} cannot be read as JSON ({one_line(error)})") from error
+    if not isinstance(value, dict):
+        raise UserError(f"{file} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def training_length(folder: Union[str, Path]) -> Optional[int]:
+    """The sequence length a folder was trained at, from train's record; None when missing or unreadable."""
+    try:
+        run = json.loads((Path(folder) / RUN_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    seq_len = run.get("seq_len") if isinstance(run, dict) else None
+    return seq_len if type(seq_len) is int and seq_len > 0 else None
+
+
+def check_folder(folder: str) -> Path:
+    """What can be checked of a folder before loading it: a causal hf-relpos model written by ``train``, with its
+    tokenizer and weights, asking for no code of its own. A UserError says what is wrong with any other."""
     path = Path(folder)
     if not path.exists():
         raise UserError(f"folder {folder!r} does not exist: pass a folder written by `hf-relpos train`")
     if not (path / "config.json").is_file():
         raise UserError(f"folder {folder!r} holds no config.json: pass a folder written by `hf-relpos train`")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except ValueError:
-        raise UserError(f"{folder}/config.json is not valid JSON") from None
+    config = read_json_object(path / "config.json")
     model_type = config.get("model_type")
     if model_type != "relpos":
         raise UserError(f"folder {folder!r} holds a model of model_type {model_type!r}, not an hf-relpos model ('relpos')")
@@ -378,16 +407,73 @@ def load_folder(folder: str):
             f"folder {folder!r} holds an encoder-decoder (RelPosForConditionalGeneration): this command reads the "
             "causal language models `hf-relpos train` writes; load it with AutoModelForSeq2SeqLM (README: encoder-decoder)"
         )
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+    # The commands run installed code only: the model's classes are hf_relpos' own (the folder's copies of them
+    # are never imported), and a tokenizer that names code of its own is refused rather than ignored.
+    tokenizer_config = path / "tokenizer_config.json"
+    custom = read_json_object(tokenizer_config).get("auto_map") if tokenizer_config.is_file() else None
+    config_map = config.get("auto_map")
+    if not custom and isinstance(config_map, dict) and config_map.get("AutoTokenizer"):
+        custom, tokenizer_config = config_map["AutoTokenizer"], path / "config.json"
+    if custom:
+        raise UserError(
+            f"{tokenizer_config} asks for custom tokenizer code (auto_map {custom!r}): hf-relpos runs no code from a "
+            "model folder; use a folder written by `hf-relpos train`"
+        )
+    if not (path / "tokenizer.json").is_file():
         raise UserError(
             f"folder {folder!r} has no tokenizer (tokenizer.json): pass the model folder written by `hf-relpos train`, "
             "not one of its checkpoints"
         )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    weights = _weights_file(path)
+    if not weights.is_file():
+        raise UserError(f"folder {folder!r} has no {weights.name} (the model's weights): pass a folder written by "
+                        "`hf-relpos train`")
+    if weights.stat().st_size == 0:
+        raise UserError(f"{weights} is empty (0 bytes): the weights were never completely written; train again or "
+                        "restore the file")
+    return path
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    return model, tokenizer
+
+def _weights_file(path: Path) -> Path:
+    index = path / "model.safetensors.index.json"
+    return index if index.is_file() else path / "model.safetensors"
+
+
+def load_folder(folder: str):
+    """The model and tokenizer of a folder written by ``train``, loaded with hf_relpos' installed classes (no code
+    from the folder runs); a UserError (one line) says what is wrong with any other or with a damaged one."""
+    path = check_folder(folder)
+    from safetensors import SafetensorError
+    from transformers import PreTrainedTokenizerFast
+
+    from ..configuration_relpos import RelPosConfig
+    from ..modeling_relpos import RelPosForCausalLM
+
+    try:
+        config = RelPosConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise UserError(f"{path / 'config.json'}: {one_line(error)}") from error
+    try:  # the concrete class: it reads tokenizer.json and resolves no tokenizer_class or auto_map
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises bare Exceptions on a damaged file
+        raise UserError(f"{path / 'tokenizer.json'} cannot be loaded ({type(error).__name__}: {one_line(error)})") from error
+    weights = _weights_file(path)
+    try:
+        model, info = RelPosForCausalLM.from_pretrained(
+            path, config=config, local_files_only=True, use_safetensors=True, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below by name, instead of Transformers' RuntimeError
+        )
+    except SafetensorError as error:
+        raise UserError(f"{weights} is damaged or truncated ({one_line(error)}): train again or restore the file") from error
+    except (OSError, ValueError) as error:
+        raise UserError(f"{weights}: {one_line(error)}") from error
+    mismatched = [f"{name} {list(saved)} in the file, {list(wanted)} for config.json"
+                  for name, saved, wanted in sorted(info.get("mismatched_keys") or [])]
+    missing = sorted(info.get("missing_keys") or [])
+    if mismatched or missing:  # never a model with freshly initialised weights
+        shown = "; ".join(mismatched[:2]) if mismatched else "missing " + ", ".join(missing[:3])
+        raise UserError(f"{weights} does not match {path / 'config.json'}: {shown}")
+    return model.eval(), tokenizer
 
 
 def position_table(config) -> Optional[int]:

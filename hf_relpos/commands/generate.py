@@ -10,8 +10,10 @@ from .errors import UserError
 
 def generate_text(folder: str, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 40,
                   seed: int = 0, quiet: bool = False) -> str:
-    """Sample (greedy at ``temperature`` 0) up to ``max_new_tokens`` after ``prompt``; the whole text, printed as it
-    comes (``quiet``: once, at the end). An absolute scheme stops at the end of its position table, and says so."""
+    """Sample (greedy at ``temperature`` 0) up to ``max_new_tokens`` after ``prompt``; the whole text, written to
+    stdout as it comes and flushed (``quiet`` too: a run interrupted into a file keeps what it wrote; ``quiet``
+    leaves out special tokens and the blank line). An absolute scheme stops at the end of its position table, and
+    says so on stderr."""
     import torch
     from transformers import TextStreamer
 
@@ -28,7 +30,8 @@ def generate_text(folder: str, prompt: str, *, max_new_tokens: int = 64, tempera
                 f"holds {table}: give a shorter prompt"
             )
         new_tokens = table - prompt_length
-    streamer = None if quiet else TextStreamer(tokenizer)
+    # TextStreamer prints each piece with flush=True, and a newline at the end
+    streamer = TextStreamer(tokenizer, skip_special_tokens=True) if quiet else TextStreamer(tokenizer)
     torch.manual_seed(seed)
     output = model.generate(
         **inputs,
@@ -40,7 +43,8 @@ def generate_text(folder: str, prompt: str, *, max_new_tokens: int = 64, tempera
         streamer=streamer,
     )
     text = tokenizer.decode(output[0], skip_special_tokens=True)
-    print(text if quiet else "")
+    if not quiet:
+        print("")
     if new_tokens < max_new_tokens:
         print(
             f"hf-relpos generate: stopped after {new_tokens} new tokens: the {model.config.position_encoding} "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
-from .common import INSPECT_DIR, RUN_FILE, RemoveIfEmptyOnFailure, load_folder, position_table
+from .common import (
+    INSPECT_DIR, RUN_FILE, RemoveIfEmptyOnFailure, check_folder, check_writable, load_folder, position_table,
+    training_length,
+)
 from .errors import UserError
 
 
@@ -24,28 +26,23 @@ def inspect_folder(folder: str, prompt: str, *, output_dir: Optional[str] = None
 
     if not prompt.strip():
         raise UserError(f"--prompt is empty (got {prompt!r}): give some text whose attention to show")
+    path = check_folder(folder)
+    out = Path(output_dir) if output_dir else path / INSPECT_DIR
+    check_writable(out, flag="--output-dir")  # before the work, not when the first figure is saved
     model, tokenizer = load_folder(folder)
-    path = Path(folder)
     config = model.config
     scheme = config.position_encoding
     run_file = path / RUN_FILE
-    try:
-        run = json.loads(run_file.read_text()) if run_file.is_file() else {}
-    except ValueError:
-        run = {}  # unreadable: no default distance, no training-length mark
-    train_length = run.get("seq_len") if isinstance(run, dict) else None
+    train_length = training_length(path)  # None: no default distance, no training-length mark
     with_position = has_position_term(model)
     if distance is None and with_position:
         if not train_length:
             raise UserError(
                 f"--distance is needed: {run_file} (the training record, whose seq_len sets the default) is "
-                "missing or unreadable; pass --distance N (a positive int)"
+                "missing, unreadable or without a positive seq_len; pass --distance N (a positive int)"
             )
         distance = 2 * train_length
 
-    out = Path(output_dir) if output_dir else path / INSPECT_DIR
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
     names = (["position.png"] if with_position else []) + [
         f"attention-layer{layer}.png" for layer in range(config.num_hidden_layers)
     ]

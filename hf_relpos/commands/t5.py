@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import MODEL_FILE, RemoveIfEmptyOnFailure, is_model_folder
+from .common import MODEL_FILE, RemoveIfEmptyOnFailure, check_writable, is_model_folder, one_line, read_json_object
 from .errors import UserError
 from .model_card import write_seq2seq_card
 
@@ -80,9 +80,15 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
     converted model is checked against the upstream one on random padded inputs before anything is written.
     Returns that check's result (:func:`hf_relpos.t5_conversion.check_t5_parity`)."""
     import torch
+    from safetensors import SafetensorError
     from transformers import T5Config, T5ForConditionalGeneration
 
     from ..t5_conversion import check_t5_parity, from_t5
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # a config field of the wrong type
+    except ImportError:  # pragma: no cover - older huggingface_hub
+        StrictDataclassError = ValueError
 
     src, out = Path(src_folder), Path(out_folder)
     if not (src / "config.json").is_file():
@@ -90,16 +96,22 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
                         "T5ForConditionalGeneration.save_pretrained (nothing is downloaded)")
     if src.resolve() == out.resolve():
         raise UserError(f"OUT_FOLDER {str(out)!r} is SRC_FOLDER: give another folder (the source is never replaced)")
+    # model_type first, from the JSON itself: T5Config would read another model's config.json into T5 fields and
+    # fail on the first field of another type (a StrictDataclassFieldValidationError)
+    model_type = read_json_object(src / "config.json").get("model_type")
+    if model_type != "t5":
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds a {model_type!r} model; convert-t5 converts 't5' models")
     try:
         config = T5Config.from_pretrained(src, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise UserError(f"SRC_FOLDER {str(src)!r}: its config.json cannot be read ({_first_line(error)})") from None
-    if getattr(config, "model_type", None) != "t5":
-        raise UserError(f"SRC_FOLDER {str(src)!r} holds a {config.model_type!r} model; convert-t5 converts 't5' models")
-    if not any(src.glob("*.safetensors")):
+    except (OSError, ValueError, TypeError, StrictDataclassError) as error:
+        raise UserError(f"SRC_FOLDER {str(src)!r}: its config.json cannot be read ({one_line(error)})") from error
+    weights = [p for p in src.glob("*.safetensors") if p.is_file()]
+    if not weights:
         raise UserError(f"SRC_FOLDER {str(src)!r} holds no .safetensors weights (pickled weights are not loaded)")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"OUT_FOLDER {str(out)!r} is a file: give a folder path")
+    empty = [p for p in weights if p.stat().st_size == 0]
+    if empty:
+        raise UserError(f"{empty[0]} is empty (0 bytes): the weights were never completely written")
+    check_writable(out, flag="OUT_FOLDER")  # before the work, not when the converted model is saved
     if out.is_dir() and any(out.iterdir()):
         foreign = sorted(p.name for p in out.iterdir() if not MODEL_FILE.fullmatch(p.name))
         if not is_model_folder(out) or foreign:
@@ -108,13 +120,38 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
         if not overwrite:
             raise UserError(f"OUT_FOLDER {str(out)!r} already holds an hf-relpos model: pass --overwrite to replace it")
     with RemoveIfEmptyOnFailure(out):
-        upstream = T5ForConditionalGeneration.from_pretrained(src, local_files_only=True, use_safetensors=True)
+        try:
+            upstream, info = T5ForConditionalGeneration.from_pretrained(
+                src, local_files_only=True, use_safetensors=True, output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported below by name, instead of Transformers' RuntimeError
+            )
+        except SafetensorError as error:
+            named = str(weights[0]) if len(weights) == 1 else f"SRC_FOLDER {str(src)!r}: one of its .safetensors files"
+            raise UserError(f"{named} is damaged or truncated ({one_line(error)})") from error
+        except (OSError, ValueError) as error:
+            raise UserError(f"SRC_FOLDER {str(src)!r}: its weights cannot be loaded ({one_line(error)})") from error
+        mismatched = [f"{name} {list(saved)} in the file, {list(wanted)} for config.json"
+                      for name, saved, wanted in sorted(info.get("mismatched_keys") or [])]
+        missing = sorted(info.get("missing_keys") or [])
+        if mismatched or missing:  # converting freshly initialised weights would pass the parity check, silently
+            shown = "; ".join(mismatched[:2]) if mismatched else "missing " + ", ".join(missing[:3])
+            raise UserError(f"SRC_FOLDER {str(src)!r}: its weights do not match its config.json: {shown}")
         upstream = upstream.float().eval()
         converted = from_t5(upstream, check=False)
         try:  # before anything is written: a model that differs from its source is refused, not recorded
             parity = check_t5_parity(upstream, converted)
         except ValueError as error:
             raise UserError(f"{src}: {error}; nothing written") from None
+        except IndexError:
+            # Upstream T5's own generate (the parity check decodes with it) indexes past its cache when the decoder
+            # has more layers than the encoder (Transformers 5.21-5.24); the conversion cannot be checked.
+            if config.num_decoder_layers <= config.num_layers:
+                raise
+            raise UserError(
+                f"SRC_FOLDER {str(src)!r}: num_decoder_layers {config.num_decoder_layers} > num_layers "
+                f"{config.num_layers}, and the installed Transformers' T5 cannot generate with a decoder deeper than "
+                "its encoder, so the conversion cannot be checked against it; nothing written"
+            ) from None
         out.mkdir(parents=True, exist_ok=True)
         converted.save_pretrained(out)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"):
@@ -125,10 +162,6 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
           f"(random padded inputs, fp32); greedy {'identical' if parity['greedy_identical'] else 'DIFFERENT'}, "
           f"beam search {'identical' if parity['beam_identical'] else 'DIFFERENT'}")
     return parity
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def validate_t5_command(args) -> int:

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Union
 from .common import (
     RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, check_writable, checkpoints_dir, evaluation_name, last_checkpoint,
     load_folder, output_lock, position_table, prepare_output, refuse_files, replace_folder, set_aside, staging_dir,
-    writing,
+    training_length, writing,
 )
 from .errors import Interrupted, UserError
 
@@ -533,10 +533,10 @@ def evaluate_folder(folder: str, *, seq_len: Optional[int] = None, factors: Sequ
 
     model, tokenizer = load_folder(folder)
     run_file = Path(folder) / RUN_FILE
-    run = json.loads(run_file.read_text()) if run_file.is_file() else {}
-    seq_len = seq_len or run.get("seq_len")
+    seq_len = seq_len or training_length(folder)
     if not seq_len:
-        raise UserError(f"--seq-len is needed: {run_file} (the training record) is missing")
+        raise UserError(f"--seq-len is needed: {run_file} (the training record) is missing, unreadable or without a "
+                        "positive seq_len")
     table = position_table(model.config)
     if table is not None and seq_len > table:
         raise UserError(
@@ -555,6 +555,14 @@ def evaluate_folder(folder: str, *, seq_len: Optional[int] = None, factors: Sequ
     if stream.numel() <= seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the evaluated text ({stream.numel()} tokens)")
     lengths = [seq_len * f for f in factors]
+    # A length longer than the tokens evaluated would be scored on one short segment under its name: refused.
+    predicted = min(stream.numel() - 1, eval_tokens or stream.numel())
+    if max(lengths) > predicted:
+        cap = f"capped by --eval-tokens {eval_tokens}" if predicted == eval_tokens else "all of the held-out text"
+        raise UserError(
+            f"--factors {max(factors)} gives length {max(lengths)} (--seq-len {seq_len} x {max(factors)}), longer than "
+            f"the {predicted} tokens evaluated ({cap}): give smaller --factors or more tokens"
+        )
     result = {f"ppl@{n}": p for n, p in evaluate_lengths(model, stream, lengths, eval_tokens).items()}
     if getattr(model.config, "mem_len", 0) > 0:
         result[f"ppl@{seq_len}+memory{model.config.mem_len}"] = segment_perplexity(
