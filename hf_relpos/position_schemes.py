@@ -720,11 +720,12 @@ class TransformerXLRelative(nn.Module):
         equal, value for value, a copy taken with them: an update through ``.data``, a fused
         optimizer or ``load_state_dict`` changes no version counter that could be trusted instead.
         """
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        weights = [p.detach() for p in self.r_net.parameters()]
+        # Weights offloaded by accelerate sit on the meta device outside r_net's own forward: nothing to compare.
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(w.is_meta for w in weights):
             self._projected = None
             return self._project(distances.values, dtype), self.r_w_bias, self.r_r_bias
         device = distances.values.device
-        weights = [p.detach() for p in self.r_net.parameters()]
         cached = self._projected
         valid = cached is not None and self._same(cached[0], weights) and cached[1:3] == (device, dtype)
         if not valid or distances.high > cached[3] or distances.low <= cached[3] - cached[4].shape[1]:

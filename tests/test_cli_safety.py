@@ -586,6 +586,9 @@ def test_generate_quiet_streams_so_an_interrupted_run_keeps_its_text(trained, tm
              "--max-new-tokens", "100000", "--temperature", "0", "--quiet"],
             stdout=stdout, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT, text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
+            # A run started in the background of a shell (nohup make test &) ignores SIGINT, and so would this
+            # child, which then never sees Ctrl-C: give it the terminal's default, as an interactive user has.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 120
