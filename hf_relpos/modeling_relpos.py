@@ -379,6 +379,11 @@ _PARAMETER_FIELDS = (
 MISSING_VALUES_FLOOR = 1 << 24
 
 
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """A config that does not describe its checkpoint: a ValueError (a wrong input, named), and the RuntimeError
+    Transformers' ``from_pretrained`` raises for weights of another size (its common model tests expect that)."""
+
+
 def parameter_fields(name: str) -> Optional[tuple]:
     """The config fields sizing each dimension of the parameter ``name`` (None: not a parameter of these models)."""
     for pattern, dims in _PARAMETER_FIELDS:
@@ -513,7 +518,7 @@ def _compare_shapes(cls, config, shapes: dict, config_file, where: str, ignore_m
             mismatched.append((math.prod(shape), name, shape, shapes[key]))
     if mismatched:
         _, name, shape, held = max(mismatched, key=lambda m: m[0])
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"{_named_fields(config, config_file, _fields_sizing(name, shape, held))} gives {name} the shape "
             f"{list(shape)}, but {where} holds {list(held)}: the config does not describe this checkpoint"
         )
@@ -532,9 +537,9 @@ def _compare_shapes(cls, config, shapes: dict, config_file, where: str, ignore_m
     )
     values, field, wanted, held = max(extra, key=lambda e: e[0])
     if not missing or values >= max(size for size, *_ in missing):
-        raise ValueError(f"{_named_fields(config, config_file, [field])}, but {where} holds {held} layers: {bound}")
+        raise CheckpointMismatchError(f"{_named_fields(config, config_file, [field])}, but {where} holds {held} layers: {bound}")
     _, name, shape = max(missing, key=lambda m: m[0])
-    raise ValueError(
+    raise CheckpointMismatchError(
         f"{_named_fields(config, config_file, _fields_sizing(name, shape))} asks for {name} {list(shape)}, which "
         f"{where} does not hold: {bound}"
     )
