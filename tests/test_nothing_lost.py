@@ -79,6 +79,16 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_message(tmp_path, ca
     assert not (tmp_path / ".model.lock.json").exists()  # the run's own record goes with it
 
 
+def test_a_lock_path_that_is_not_a_file_is_one_line(tmp_path, capsys):
+    """A folder where the lock file goes (a stranger's, or left by hand) is one line naming it, not filelock's
+    IsADirectoryError traceback; nothing is trained or written."""
+    out = tmp_path / "model"
+    (tmp_path / ".model.lock").mkdir()
+    code, _, err = run(["train", "--output-dir", str(out), *TINY], capsys)
+    assert str(tmp_path / ".model.lock") in one_line(code, err), err
+    assert not out.exists()
+
+
 @pytest.fixture
 def trained(tmp_path, capsys):
     """A finished Transformer-XL run of 4 steps (checkpoint-4 kept) on a small text, and its command."""
