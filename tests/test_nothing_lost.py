@@ -227,3 +227,17 @@ def test_train_resume_alone_continues_with_the_recorded_options(trained, capsys)
     code, _, err = run(["train", "--output-dir", out, "--resume", "--steps", "6"], capsys)  # training on is allowed
     assert code == 0, err
     assert json.loads((Path(out) / RUN_FILE).read_text())["steps"] == 6
+
+
+def test_train_resume_alone_takes_the_recorded_max_train_bytes(tmp_path, capsys, monkeypatch):
+    """A run given --max-train-bytes (above the default) for its --train-file resumes with `--resume` alone: the
+    limit is recorded with the file it admits, not refused at the default."""
+    text = _text(tmp_path)
+    monkeypatch.setattr(hf_relpos_cli, "MAX_TEXT_BYTES", text.stat().st_size // 2)  # the default, made small
+    out = str(tmp_path / "model")
+    limit = str(text.stat().st_size)
+    assert run(["train", "--output-dir", out, *TINY, "--train-file", str(text), "--max-train-bytes", limit],
+               capsys)[0] == 0
+    code, _, err = run(["train", "--output-dir", out, "--resume", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert json.loads((Path(out) / RUN_FILE).read_text())["steps"] == 3

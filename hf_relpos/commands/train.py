@@ -32,8 +32,9 @@ PRESETS = {
 # The options that shape the model and its data, recorded in each checkpoint: a resume must give the same ones.
 RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len", "train_file", "seed", "batch_size",
                "learning_rate")
-# Recorded too, and taken from the checkpoint by a resume that does not give them (a resume may train longer).
-RECORDED_OPTIONS = RUN_OPTIONS + ("steps", "eval_tokens")
+# Recorded too, and taken from the checkpoint by a resume that does not give them (a resume may train longer;
+# the --train-file limit goes with the files it admitted).
+RECORDED_OPTIONS = RUN_OPTIONS + ("steps", "eval_tokens", "max_train_bytes")
 
 
 @dataclasses.dataclass
