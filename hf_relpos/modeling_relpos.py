@@ -444,8 +444,11 @@ def _checkpoint_files(folder: str, subfolder: str, variant, use_safetensors, con
         if not name.endswith(".index.json"):
             return [path], path
         with open(path) as index:
-            shards = sorted(set(json.load(index)["weight_map"].values()))
-        return [os.path.join(base, shard) for shard in shards], path
+            weight_map = json.load(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{path} is not a weights index: it needs a weight_map naming each parameter's file")
+        return [os.path.join(base, shard) for shard in sorted(set(weight_map.values()))], path
     return None
 
 

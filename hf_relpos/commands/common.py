@@ -454,7 +454,7 @@ def load_folder(folder: str):
 
     try:
         config = RelPosConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError) as error:
+    except (OSError, ValueError, TypeError, AttributeError) as error:  # AttributeError: a dtype torch lacks
         raise UserError(f"{path / 'config.json'}: {one_line(error)}") from error
     try:  # the concrete class: it reads tokenizer.json and resolves no tokenizer_class or auto_map
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
