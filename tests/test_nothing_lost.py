@@ -241,3 +241,17 @@ def test_train_resume_alone_takes_the_recorded_max_train_bytes(tmp_path, capsys,
     code, _, err = run(["train", "--output-dir", out, "--resume", "--steps", "3"], capsys)
     assert code == 0, err
     assert json.loads((Path(out) / RUN_FILE).read_text())["steps"] == 3
+
+
+def test_train_resume_giving_mem_len_again_reads_the_recorded_scheme(tmp_path, capsys):
+    """`--resume --mem-len N` of a Transformer-XL run that did not repeat --position-encoding: --mem-len is checked
+    against the recorded scheme (it was refused as if the scheme were the default t5_bias)."""
+    out = str(tmp_path / "model")
+    argv = ["train", "--output-dir", out, "--position-encoding", "transformer_xl", "--mem-len", "8", *TINY]
+    assert run(argv, capsys)[0] == 0
+    code, _, err = run(["train", "--output-dir", out, "--resume", "--mem-len", "8", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert json.loads((Path(out) / RUN_FILE).read_text())["mem_len"] == 8
+    code, _, err = run(["train", "--output-dir", str(tmp_path / "other"), "--mem-len", "8", *TINY], capsys)
+    assert "--mem-len applies to --position-encoding transformer_xl only" in one_line(code, err)
+    assert not (tmp_path / "other").exists()

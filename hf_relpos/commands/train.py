@@ -73,19 +73,26 @@ class TrainOptions:
 def train_model(options: TrainOptions) -> dict:
     """Train one scheme on the corpus and write a Hub-ready folder. Returns the run summary."""
     out = Path(options.output_dir)
-    if options.mem_len is not None and options.position_encoding != "transformer_xl":
-        raise UserError(
-            f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
-            f"{options.position_encoding}"
-        )
+    recorded_scheme = options.resume and options.given is not None and "position_encoding" not in options.given
+    if not recorded_scheme:  # else checked once the checkpoint's scheme is read
+        _check_mem_len(options)
     refuse_files(out)
     check_writable(out, checkpoints_dir(out))  # before any work (the lock is a file beside the folder)
     with output_lock(out, "train", options.argv):
         resume_from = prepare_output(out, overwrite=options.overwrite, resume=options.resume)
         if resume_from is not None:
             options = _resumed_options(options, resume_from)
+            _check_mem_len(options)
         with RemoveIfEmptyOnFailure(out, checkpoints_dir(out)):
             return _train(options, out, resume_from)
+
+
+def _check_mem_len(options: TrainOptions) -> None:
+    if options.mem_len is not None and options.position_encoding != "transformer_xl":
+        raise UserError(
+            f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
+            f"{options.position_encoding}"
+        )
 
 
 def build_config(scheme: str, preset: str, seq_len: int, vocab_size: int, mem_len: Optional[int]):
