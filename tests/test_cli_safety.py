@@ -305,6 +305,30 @@ def test_convert_t5_of_damaged_or_foreign_folders_is_one_line(trained, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("field,value,expected", [
+    ("vocab_size", 10**9, "shared.weight [99, 16] in the file, [1000000000, 16] for config.json"),
+    ("d_ff", 10**9, "DenseReluDense.wi.weight [32, 16] in the file, [1000000000, 16] for config.json"),
+    ("num_layers", 10**6, "num_layers=1000000 in config.json, 2 encoder blocks in the weights"),
+    ("num_decoder_layers", 10**6, "num_decoder_layers=1000000 in config.json, 2 decoder blocks in the weights"),
+])
+def test_convert_t5_of_a_config_asking_for_more_than_its_weights_is_refused_before_loading(
+        field, value, expected, tmp_path, monkeypatch, capsys):
+    """A stranger's T5 config.json sized past its weights is one line before T5 is loaded (Transformers allocated
+    the config's sizes first: 128 GB for vocab_size 1e9 at d_model 32, minutes to build num_layers 1e6)."""
+    import transformers
+
+    folder = _t5(tmp_path / "t5")
+    _edit_json(folder / "config.json", **{field: value})
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("T5ForConditionalGeneration.from_pretrained was called")
+
+    monkeypatch.setattr(transformers.T5ForConditionalGeneration, "from_pretrained", loaded)
+    code, _, err = run(["convert-t5", str(folder), str(tmp_path / "out")], capsys)
+    assert expected in one_line_error(code, err, "convert-t5"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_t5_of_a_decoder_deeper_than_its_encoder_is_one_line_or_converts(tmp_path, capsys):
     """Upstream T5's own generate fails on such a model (an IndexError in its cache, Transformers 5.21-5.24): the
     conversion cannot be checked, and says so in one line; a Transformers that fixes it converts it."""
