@@ -226,6 +226,8 @@ DAMAGED = {  # damage: (how, what the line must name); commands: all three unles
                                   ["config.json: ", "position_encoding", "'bogus'"]),
     "config not an object": (lambda d: (d / "config.json").write_text("[1, 2]"), ["config.json holds a JSON list"]),
     "unknown dtype": (lambda d: _edit_json(d / "config.json", dtype="float7"), ["config.json: ", "float7"]),
+    "transformers_weights not a name": (lambda d: _edit_json(d / "config.json", transformers_weights=5),
+                                        ["transformers_weights", "got 5"]),
     "weights index without weight_map": (lambda d: ((d / "model.safetensors").unlink(),
                                                     (d / "model.safetensors.index.json").write_text("{}")),
                                          ["model.safetensors.index.json", "weight_map"]),
