@@ -594,6 +594,19 @@ def test_train_output_is_one_bar_and_quiet_is_one_line(tmp_path, capfd):
     assert "validation loss" in out + err
 
 
+def test_generate_takes_no_settings_from_the_folders_generation_config(trained, tmp_path, capsys):
+    """A generation_config.json asking for beams and odd token ids (a stranger's, or edited) neither breaks
+    `generate` with a traceback nor changes its text: the command's settings are its own."""
+    argv = ["--prompt", "The for statement", "--max-new-tokens", "8", "--temperature", "0", "--quiet"]
+    code, plain, err = run(["generate", str(trained / "t5_bias"), *argv], capsys)
+    assert code == 0, err
+    folder = Path(shutil.copytree(trained / "t5_bias", tmp_path / "model"))
+    (folder / "generation_config.json").write_text(json.dumps({"num_beams": 4, "eos_token_id": [1, "x"]}))
+    code, out, err = run(["generate", str(folder), *argv], capsys)
+    assert code == 0, err
+    assert out == plain
+
+
 def test_generate_quiet_prints_only_the_text(trained, capfd):
     assert hf_relpos_cli.main(["generate", str(trained / "t5_bias"), "--prompt", "The", "--max-new-tokens", "5",
                                "--temperature", "0", "--quiet"]) == 0  # fmt: skip
