@@ -255,3 +255,29 @@ def test_train_resume_giving_mem_len_again_reads_the_recorded_scheme(tmp_path, c
     code, _, err = run(["train", "--output-dir", str(tmp_path / "other"), "--mem-len", "8", *TINY], capsys)
     assert "--mem-len applies to --position-encoding transformer_xl only" in one_line(code, err)
     assert not (tmp_path / "other").exists()
+
+
+def test_a_full_disk_at_the_first_checkpoint_hints_a_fresh_start_that_works(tmp_path, capsys, monkeypatch):
+    """No complete checkpoint yet: the full-disk line gives the command that starts afresh (it said "resume with
+    ... the last complete checkpoint is kept", and that resume found nothing); the command it gives completes."""
+    import shlex
+
+    import torch
+
+    real_save, calls = torch.save, []
+
+    def full(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full)
+    out = str(tmp_path / "model")
+    code, _, err = run(["train", "--output-dir", out, *TINY], capsys)
+    err = one_line(code, err)
+    assert "no space left" in err and "resume with" not in err, err
+    hint = err.split("train afresh with: ")[1].split(" (no checkpoint")[0]
+    code, _, err = run(shlex.split(hint)[1:], capsys)
+    assert code == 0, err
+    assert (Path(out) / RUN_FILE).is_file()

@@ -232,7 +232,7 @@ class _Divergence:
         return Divergence()
 
 
-def _whole_checkpoints(base, record, hint: str):
+def _whole_checkpoints(base, record, hint: str, afresh_hint: str):
     """``base`` (``Trainer`` or ``MemoryTrainer``) whose checkpoints appear whole or not at all: each is
     written (Trainer's files, Transformer-XL's memory, the time record) into ``.saving-checkpoint-N/`` and
     renamed into place; older checkpoints are rotated out only then. A full disk is one line naming the folder."""
@@ -249,7 +249,8 @@ def _whole_checkpoints(base, record, hint: str):
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             self._staging = str(run_dir / f".saving-{name}")
             try:
-                with writing(run_dir / name, hint):
+                # before the first complete checkpoint there is nothing to resume: the hint is to start afresh
+                with writing(run_dir / name, hint if last_checkpoint(run_dir) is not None else afresh_hint):
                     super()._save_checkpoint(model, trial)
                     staged = Path(self._staging) / name
                     if self.args.should_save:
@@ -400,7 +401,11 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     )
     hint = f" and resume with: {resume_command(options.argv)} (the last complete checkpoint is kept)"
     book = None
-    trainer_class = _whole_checkpoints(trainer_class, lambda: book.record(), hint)
+    afresh = [a for i, a in enumerate(options.argv) if not (a == "--resume" or a.startswith("--resume=") or (
+        i and options.argv[i - 1] == "--resume" and not a.startswith("-")))]  # --resume and its CHECKPOINT
+    afresh_hint = (f" and train afresh with: hf-relpos {shlex.join(afresh + ['--overwrite'] * ('--overwrite' not in afresh))}"
+                   " (no checkpoint was complete yet)")
+    trainer_class = _whole_checkpoints(trainer_class, lambda: book.record(), hint, afresh_hint)
     trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
