@@ -432,9 +432,10 @@ def _checkpoint_files(folder: str, subfolder: str, variant, use_safetensors, con
     base = os.path.join(folder, subfolder or "")
     explicit = getattr(config, "transformers_weights", None)
     if explicit is not None:
-        inside = os.path.abspath(os.path.join(base, explicit)).startswith(os.path.abspath(base) + os.sep)
-        if not inside:  # Transformers refuses a file outside the folder
-            return None
+        if not isinstance(explicit, str):
+            raise ValueError(f"RelPosConfig.transformers_weights must be a file name in the folder, got {explicit!r}")
+        if not _inside(base, explicit) or not explicit.endswith((".safetensors", ".safetensors.index.json")):
+            return None  # Transformers refuses a file outside the folder, or of another kind
         names = [explicit]
     else:
         names = []
@@ -446,12 +447,23 @@ def _checkpoint_files(folder: str, subfolder: str, variant, use_safetensors, con
         path = os.path.join(base, name)
         if not os.path.isfile(path):
             continue
-        if not name.endswith(".index.json"):
+        if not name.endswith(".json"):  # an index: model.safetensors.index.json, or .index.<variant>.json
             return [path], path
         with open(path) as index:
-            shards = sorted(set(json.load(index)["weight_map"].values()))
-        return [os.path.join(base, shard) for shard in shards], path
+            weight_map = json.load(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{path} is not a weights index: it needs a weight_map naming each parameter's file")
+        kind = "safetensors" if ".safetensors" in name else "bin"  # as the index's own name
+        for shard in weight_map.values():  # read here before Transformers reads them: only the folder's own files
+            if not _inside(base, shard) or not shard.endswith(f".{kind}"):
+                raise ValueError(f"{path} names {shard!r} as a weights file: it must be a .{kind} file in the folder")
+        return [os.path.join(base, shard) for shard in sorted(set(weight_map.values()))], path
     return None
+
+
+def _inside(base: str, name: str) -> bool:
+    return os.path.abspath(os.path.join(base, name)).startswith(os.path.abspath(base) + os.sep)
 
 
 def _check_checkpoint_fits(cls, folder, kwargs: dict) -> None:

@@ -225,6 +225,15 @@ DAMAGED = {  # damage: (how, what the line must name); commands: all three unles
     "unknown position_encoding": (lambda d: _edit_json(d / "config.json", position_encoding="bogus"),
                                   ["config.json: ", "position_encoding", "'bogus'"]),
     "config not an object": (lambda d: (d / "config.json").write_text("[1, 2]"), ["config.json holds a JSON list"]),
+    "unknown dtype": (lambda d: _edit_json(d / "config.json", dtype="float7"), ["config.json: ", "float7"]),
+    "transformers_weights not a name": (lambda d: _edit_json(d / "config.json", transformers_weights=5),
+                                        ["transformers_weights", "got 5"]),
+    "weights index without weight_map": (lambda d: ((d / "model.safetensors").unlink(),
+                                                    (d / "model.safetensors.index.json").write_text("{}")),
+                                         ["model.safetensors.index.json", "weight_map"]),
+    "weights index of a list": (lambda d: ((d / "model.safetensors").unlink(),
+                                           (d / "model.safetensors.index.json").write_text("[1]")),
+                                ["model.safetensors.index.json", "weight_map"]),
     "missing tokenizer.json": (lambda d: (d / "tokenizer.json").unlink(), ["has no tokenizer (tokenizer.json)"]),
     "damaged tokenizer.json": (_truncated("tokenizer.json", 100), ["tokenizer.json cannot be loaded"]),
     "damaged tokenizer_config.json": (_truncated("tokenizer_config.json", 10),
@@ -295,6 +304,30 @@ def test_convert_t5_of_damaged_or_foreign_folders_is_one_line(trained, tmp_path,
     # an hf-relpos folder is not a T5 (today: a StrictDataclassFieldValidationError traceback)
     code, _, err = run(["convert-t5", str(trained / "t5_bias"), str(tmp_path / "out")], capsys)
     assert "holds a 'relpos' model" in one_line_error(code, err, "convert-t5")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("vocab_size", 10**9, "shared.weight [99, 16] in the file, [1000000000, 16] for config.json"),
+    ("d_ff", 10**9, "DenseReluDense.wi.weight [32, 16] in the file, [1000000000, 16] for config.json"),
+    ("num_layers", 10**6, "num_layers=1000000 in config.json, 2 encoder blocks in the weights"),
+    ("num_decoder_layers", 10**6, "num_decoder_layers=1000000 in config.json, 2 decoder blocks in the weights"),
+])
+def test_convert_t5_of_a_config_asking_for_more_than_its_weights_is_refused_before_loading(
+        field, value, expected, tmp_path, monkeypatch, capsys):
+    """A stranger's T5 config.json sized past its weights is one line before T5 is loaded (Transformers allocated
+    the config's sizes first: 128 GB for vocab_size 1e9 at d_model 32, minutes to build num_layers 1e6)."""
+    import transformers
+
+    folder = _t5(tmp_path / "t5")
+    _edit_json(folder / "config.json", **{field: value})
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("T5ForConditionalGeneration.from_pretrained was called")
+
+    monkeypatch.setattr(transformers.T5ForConditionalGeneration, "from_pretrained", loaded)
+    code, _, err = run(["convert-t5", str(folder), str(tmp_path / "out")], capsys)
+    assert expected in one_line_error(code, err, "convert-t5"), err
     assert not (tmp_path / "out").exists()
 
 
@@ -559,6 +592,19 @@ def test_train_output_is_one_bar_and_quiet_is_one_line(tmp_path, capfd):
     assert "training:" in err  # the progress bar
     assert "{'loss'" not in out + err and "Writing model shards" not in out + err
     assert "validation loss" in out + err
+
+
+def test_generate_takes_no_settings_from_the_folders_generation_config(trained, tmp_path, capsys):
+    """A generation_config.json asking for beams and odd token ids (a stranger's, or edited) neither breaks
+    `generate` with a traceback nor changes its text: the command's settings are its own."""
+    argv = ["--prompt", "The for statement", "--max-new-tokens", "8", "--temperature", "0", "--quiet"]
+    code, plain, err = run(["generate", str(trained / "t5_bias"), *argv], capsys)
+    assert code == 0, err
+    folder = Path(shutil.copytree(trained / "t5_bias", tmp_path / "model"))
+    (folder / "generation_config.json").write_text(json.dumps({"num_beams": 4, "eos_token_id": [1, "x"]}))
+    code, out, err = run(["generate", str(folder), *argv], capsys)
+    assert code == 0, err
+    assert out == plain
 
 
 def test_generate_quiet_prints_only_the_text(trained, capfd):

@@ -231,6 +231,33 @@ def test_a_sharded_checkpoint_is_checked_through_its_index(tmp_path):
         RelPosForCausalLM.from_pretrained(tmp_path)
 
 
+def test_a_sharded_variant_loads_and_is_checked_through_its_index(tmp_path):
+    """A variant's index is model.safetensors.index.<variant>.json: read as an index (it was read as a weights
+    file, and every sharded variant failed to load)."""
+    model = make_model(RelPosForCausalLM, "learned")
+    model.save_pretrained(tmp_path, variant="v1", max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.v1.json").is_file()
+    loaded = RelPosForCausalLM.from_pretrained(tmp_path, variant="v1")
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": MID}))
+    with pytest.raises(ValueError, match=rf"max_position_embeddings={MID} .* but .*index.v1.json holds \[64, 32\]"):
+        RelPosForCausalLM.from_pretrained(tmp_path, variant="v1")
+
+
+@pytest.mark.parametrize("shard", ["x.bin", "../elsewhere.safetensors"])
+def test_an_index_naming_a_file_of_another_kind_or_outside_the_folder_is_refused(tmp_path, shard):
+    """The check reads only the folder's own .safetensors shards (a .bin was unpickled by it, a path outside the
+    folder read): a ValueError naming the index and the file."""
+    folder = tmp_path / "model"
+    make_model(RelPosForCausalLM, "learned").save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "x.bin").write_bytes(b"not a pickle" * 10)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+    with pytest.raises(ValueError, match=rf"model.safetensors.index.json names '{re.escape(shard)}' as a weights file"):
+        RelPosForCausalLM.from_pretrained(folder)
+
+
 def test_a_state_dict_is_checked_too():
     model = make_model(RelPosForCausalLM, "shaw")
     config = RelPosConfig(**{**model.config.to_dict(), "max_relative_position": MID})

@@ -79,6 +79,16 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_message(tmp_path, ca
     assert not (tmp_path / ".model.lock.json").exists()  # the run's own record goes with it
 
 
+def test_a_lock_path_that_is_not_a_file_is_one_line(tmp_path, capsys):
+    """A folder where the lock file goes (a stranger's, or left by hand) is one line naming it, not filelock's
+    IsADirectoryError traceback; nothing is trained or written."""
+    out = tmp_path / "model"
+    (tmp_path / ".model.lock").mkdir()
+    code, _, err = run(["train", "--output-dir", str(out), *TINY], capsys)
+    assert str(tmp_path / ".model.lock") in one_line(code, err), err
+    assert not out.exists()
+
+
 @pytest.fixture
 def trained(tmp_path, capsys):
     """A finished Transformer-XL run of 4 steps (checkpoint-4 kept) on a small text, and its command."""
@@ -217,3 +227,57 @@ def test_train_resume_alone_continues_with_the_recorded_options(trained, capsys)
     code, _, err = run(["train", "--output-dir", out, "--resume", "--steps", "6"], capsys)  # training on is allowed
     assert code == 0, err
     assert json.loads((Path(out) / RUN_FILE).read_text())["steps"] == 6
+
+
+def test_train_resume_alone_takes_the_recorded_max_train_bytes(tmp_path, capsys, monkeypatch):
+    """A run given --max-train-bytes (above the default) for its --train-file resumes with `--resume` alone: the
+    limit is recorded with the file it admits, not refused at the default."""
+    text = _text(tmp_path)
+    monkeypatch.setattr(hf_relpos_cli, "MAX_TEXT_BYTES", text.stat().st_size // 2)  # the default, made small
+    out = str(tmp_path / "model")
+    limit = str(text.stat().st_size)
+    assert run(["train", "--output-dir", out, *TINY, "--train-file", str(text), "--max-train-bytes", limit],
+               capsys)[0] == 0
+    code, _, err = run(["train", "--output-dir", out, "--resume", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert json.loads((Path(out) / RUN_FILE).read_text())["steps"] == 3
+
+
+def test_train_resume_giving_mem_len_again_reads_the_recorded_scheme(tmp_path, capsys):
+    """`--resume --mem-len N` of a Transformer-XL run that did not repeat --position-encoding: --mem-len is checked
+    against the recorded scheme (it was refused as if the scheme were the default t5_bias)."""
+    out = str(tmp_path / "model")
+    argv = ["train", "--output-dir", out, "--position-encoding", "transformer_xl", "--mem-len", "8", *TINY]
+    assert run(argv, capsys)[0] == 0
+    code, _, err = run(["train", "--output-dir", out, "--resume", "--mem-len", "8", "--steps", "3"], capsys)
+    assert code == 0, err
+    assert json.loads((Path(out) / RUN_FILE).read_text())["mem_len"] == 8
+    code, _, err = run(["train", "--output-dir", str(tmp_path / "other"), "--mem-len", "8", *TINY], capsys)
+    assert "--mem-len applies to --position-encoding transformer_xl only" in one_line(code, err)
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_full_disk_at_the_first_checkpoint_hints_a_fresh_start_that_works(tmp_path, capsys, monkeypatch):
+    """No complete checkpoint yet: the full-disk line gives the command that starts afresh (it said "resume with
+    ... the last complete checkpoint is kept", and that resume found nothing); the command it gives completes."""
+    import shlex
+
+    import torch
+
+    real_save, calls = torch.save, []
+
+    def full(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full)
+    out = str(tmp_path / "model")
+    code, _, err = run(["train", "--output-dir", out, *TINY], capsys)
+    err = one_line(code, err)
+    assert "no space left" in err and "resume with" not in err, err
+    hint = err.split("train afresh with: ")[1].split(" (no checkpoint")[0]
+    code, _, err = run(shlex.split(hint)[1:], capsys)
+    assert code == 0, err
+    assert (Path(out) / RUN_FILE).is_file()

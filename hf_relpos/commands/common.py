@@ -253,6 +253,9 @@ def output_lock(out: Path, command: str, argv=()):
             who = "another process"
         raise UserError(f"--output-dir {str(out)!r} is in use by {who}; wait for it to finish or give another "
                         "--output-dir") from None
+    except OSError as error:  # a folder (or an unreadable file) where the lock file goes
+        raise UserError(f"--output-dir {str(out)!r} cannot be locked: {lock_path} cannot be opened as a lock file "
+                        f"({error.strerror or one_line(error)}); remove it or give another --output-dir") from None
     try:
         try:
             left = json.loads(info.read_text())
@@ -451,7 +454,7 @@ def load_folder(folder: str):
 
     try:
         config = RelPosConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError) as error:
+    except (OSError, ValueError, TypeError, AttributeError) as error:  # AttributeError: a dtype torch lacks
         raise UserError(f"{path / 'config.json'}: {one_line(error)}") from error
     try:  # the concrete class: it reads tokenizer.json and resolves no tokenizer_class or auto_map
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)

@@ -15,11 +15,14 @@ def generate_text(folder: str, prompt: str, *, max_new_tokens: int = 64, tempera
     leaves out special tokens and the blank line). An absolute scheme stops at the end of its position table, and
     says so on stderr."""
     import torch
-    from transformers import TextStreamer
+    from transformers import GenerationConfig, TextStreamer
 
     if not prompt.strip():
         raise UserError("--prompt is empty: give some text to continue")
     model, tokenizer = load_folder(folder)
+    # The command's own settings, not the folder's generation_config.json: beams (which the streamer refuses), extra
+    # sequences or token ids of another type there made generate fail with a traceback.
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False)
     prompt_length = inputs["input_ids"].shape[1]
     new_tokens, table = max_new_tokens, position_table(model.config)

@@ -121,6 +121,7 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
             raise UserError(f"OUT_FOLDER {str(out)!r} already holds an hf-relpos model: pass --overwrite to replace it")
     with RemoveIfEmptyOnFailure(out):
         try:
+            _check_t5_fits(src, config, weights)
             upstream, info = T5ForConditionalGeneration.from_pretrained(
                 src, local_files_only=True, use_safetensors=True, output_loading_info=True,
                 ignore_mismatched_sizes=True,  # reported below by name, instead of Transformers' RuntimeError
@@ -162,6 +163,45 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
           f"(random padded inputs, fp32); greedy {'identical' if parity['greedy_identical'] else 'DIFFERENT'}, "
           f"beam search {'identical' if parity['beam_identical'] else 'DIFFERENT'}")
     return parity
+
+
+def _check_t5_fits(src: Path, config, weights: list) -> None:
+    """A T5 config.json that asks for other or far more parameters than its weights hold is one line before
+    anything is allocated (Transformers would allocate them at the config's size: 128 GB for vocab_size 1e9, and
+    minutes to build num_layers 1e6). Reads the weights' headers and builds the model on the meta device with no
+    more blocks than they hold."""
+    import copy
+    import math
+    import re
+
+    import torch
+    from transformers import T5ForConditionalGeneration
+    from transformers.modeling_utils import load_state_dict
+
+    from ..modeling_relpos import MISSING_VALUES_FLOOR
+
+    shapes = {}
+    for file in weights:
+        shapes.update((k, tuple(v.shape)) for k, v in load_state_dict(str(file), map_location="meta").items())
+    built = copy.deepcopy(config)
+    for field, stack in (("num_layers", "encoder"), ("num_decoder_layers", "decoder")):
+        held = len({m.group(1) for key in shapes if (m := re.match(rf"{stack}\.block\.(\d+)\.", key))})
+        if getattr(config, field) > held:
+            raise UserError(f"SRC_FOLDER {str(src)!r}: its weights do not match its config.json: {field}="
+                            f"{getattr(config, field)} in config.json, {held} {stack} blocks in the weights")
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(built)
+    lacking = 0
+    for name, tensor in model.state_dict().items():
+        if name not in shapes:
+            lacking += tensor.numel()
+        elif shapes[name] != tuple(tensor.shape):
+            raise UserError(f"SRC_FOLDER {str(src)!r}: its weights do not match its config.json: {name} "
+                            f"{list(shapes[name])} in the file, {list(tensor.shape)} for config.json")
+    allowed = max(sum(math.prod(shape) for shape in shapes.values()), MISSING_VALUES_FLOOR)
+    if lacking > allowed:
+        raise UserError(f"SRC_FOLDER {str(src)!r}: its weights do not match its config.json, which asks for {lacking:,} "
+                        f"values the weights do not hold (more than {allowed:,})")
 
 
 def validate_t5_command(args) -> int:

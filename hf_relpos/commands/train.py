@@ -32,8 +32,9 @@ PRESETS = {
 # The options that shape the model and its data, recorded in each checkpoint: a resume must give the same ones.
 RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len", "train_file", "seed", "batch_size",
                "learning_rate")
-# Recorded too, and taken from the checkpoint by a resume that does not give them (a resume may train longer).
-RECORDED_OPTIONS = RUN_OPTIONS + ("steps", "eval_tokens")
+# Recorded too, and taken from the checkpoint by a resume that does not give them (a resume may train longer;
+# the --train-file limit goes with the files it admitted).
+RECORDED_OPTIONS = RUN_OPTIONS + ("steps", "eval_tokens", "max_train_bytes")
 
 
 @dataclasses.dataclass
@@ -72,19 +73,26 @@ class TrainOptions:
 def train_model(options: TrainOptions) -> dict:
     """Train one scheme on the corpus and write a Hub-ready folder. Returns the run summary."""
     out = Path(options.output_dir)
-    if options.mem_len is not None and options.position_encoding != "transformer_xl":
-        raise UserError(
-            f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
-            f"{options.position_encoding}"
-        )
+    recorded_scheme = options.resume and options.given is not None and "position_encoding" not in options.given
+    if not recorded_scheme:  # else checked once the checkpoint's scheme is read
+        _check_mem_len(options)
     refuse_files(out)
     check_writable(out, checkpoints_dir(out))  # before any work (the lock is a file beside the folder)
     with output_lock(out, "train", options.argv):
         resume_from = prepare_output(out, overwrite=options.overwrite, resume=options.resume)
         if resume_from is not None:
             options = _resumed_options(options, resume_from)
+            _check_mem_len(options)
         with RemoveIfEmptyOnFailure(out, checkpoints_dir(out)):
             return _train(options, out, resume_from)
+
+
+def _check_mem_len(options: TrainOptions) -> None:
+    if options.mem_len is not None and options.position_encoding != "transformer_xl":
+        raise UserError(
+            f"--mem-len applies to --position-encoding transformer_xl only, got --position-encoding "
+            f"{options.position_encoding}"
+        )
 
 
 def build_config(scheme: str, preset: str, seq_len: int, vocab_size: int, mem_len: Optional[int]):
@@ -224,7 +232,7 @@ class _Divergence:
         return Divergence()
 
 
-def _whole_checkpoints(base, record, hint: str):
+def _whole_checkpoints(base, record, hint: str, afresh_hint: str):
     """``base`` (``Trainer`` or ``MemoryTrainer``) whose checkpoints appear whole or not at all: each is
     written (Trainer's files, Transformer-XL's memory, the time record) into ``.saving-checkpoint-N/`` and
     renamed into place; older checkpoints are rotated out only then. A full disk is one line naming the folder."""
@@ -241,7 +249,8 @@ def _whole_checkpoints(base, record, hint: str):
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             self._staging = str(run_dir / f".saving-{name}")
             try:
-                with writing(run_dir / name, hint):
+                # before the first complete checkpoint there is nothing to resume: the hint is to start afresh
+                with writing(run_dir / name, hint if last_checkpoint(run_dir) is not None else afresh_hint):
                     super()._save_checkpoint(model, trial)
                     staged = Path(self._staging) / name
                     if self.args.should_save:
@@ -392,7 +401,11 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     )
     hint = f" and resume with: {resume_command(options.argv)} (the last complete checkpoint is kept)"
     book = None
-    trainer_class = _whole_checkpoints(trainer_class, lambda: book.record(), hint)
+    afresh = [a for i, a in enumerate(options.argv) if not (a == "--resume" or a.startswith("--resume=") or (
+        i and options.argv[i - 1] == "--resume" and not a.startswith("-")))]  # --resume and its CHECKPOINT
+    afresh_hint = (f" and train afresh with: hf-relpos {shlex.join(afresh + ['--overwrite'] * ('--overwrite' not in afresh))}"
+                   " (no checkpoint was complete yet)")
+    trainer_class = _whole_checkpoints(trainer_class, lambda: book.record(), hint, afresh_hint)
     trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
