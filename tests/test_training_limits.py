@@ -94,7 +94,8 @@ def test_a_huge_learning_rate_stops_with_one_line_and_saves_no_model(tmp_path, c
     out = tmp_path / "m"
     assert hf_relpos_cli.main(["train", "--output-dir", str(out), "--steps", "8", "--learning-rate", "1e30", *TINY]) == 2
     err = one_line_error(capsys, "train")
-    assert "training diverged at step " in err and "lower --learning-rate (it was 1e+30)" in err, err
+    assert "training diverged at step " in err and "lower --learning-rate (it was 1e+30" in err, err
+    assert "--overwrite" in err, err  # --resume refuses another learning rate: the hint names what works
     assert not (out / "model.safetensors").exists()
     for checkpoint in Path(f"{out}-checkpoints").glob("checkpoint-*"):  # any checkpoint kept holds finite weights
         assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model.safetensors").values())
@@ -117,7 +118,7 @@ def test_a_loss_turning_nan_keeps_the_last_good_checkpoint(tmp_path, capsys, mon
     err = one_line_error(capsys, "train")
     checkpoints = Path(f"{out}-checkpoints")
     assert f"training diverged at step 8 of 20: loss nan; the last good checkpoint is {checkpoints / 'checkpoint-5'}; " \
-           "lower --learning-rate" in err, err
+           "train again with --overwrite and a lower --learning-rate" in err, err
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-5"]
     weights = load_file(checkpoints / "checkpoint-5" / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in weights.values())

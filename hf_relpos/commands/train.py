@@ -443,8 +443,8 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
         last = last_checkpoint(checkpoints_dir(out))
         kept = f"the last good checkpoint is {last}" if last is not None else "no checkpoint was saved before"
         raise UserError(
-            f"training diverged at step {divergence.step} of {options.steps}: {divergence.loss}; {kept}; lower "
-            f"--learning-rate (it was {options.learning_rate})"
+            f"training diverged at step {divergence.step} of {options.steps}: {divergence.loss}; {kept}; train again "
+            f"with --overwrite and a lower --learning-rate (it was {options.learning_rate}; --resume keeps it)"
         )
     if book.interrupted:
         checkpoint = checkpoints_dir(out) / f"checkpoint-{trainer.state.global_step}"
