@@ -120,12 +120,17 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def _unused_name(path: Path, name: str) -> Path:
+    """``name`` beside ``path``, with ``-1``, ``-2``, ... added while that name is taken."""
+    aside, n = path.with_name(name), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{name}-{n}"), n + 1
+    return aside
+
+
 def set_aside(path: Path, why: str, command: str = "train") -> Path:
     """Rename ``path`` beside itself as ``incomplete-<name>-<time>`` (never deleted), saying so in one line."""
-    aside = path.with_name(f"incomplete-{path.name.lstrip('.')}-{_stamp()}")
-    n = 1
-    while aside.exists():
-        aside, n = path.with_name(f"incomplete-{path.name.lstrip('.')}-{_stamp()}-{n}"), n + 1
+    aside = _unused_name(path, f"incomplete-{path.name.lstrip('.')}-{_stamp()}")
     path.rename(aside)
     print(f"hf-relpos {command}: {path} {why}: renamed aside to {aside.name}", file=sys.stderr)
     return aside
@@ -340,10 +345,7 @@ def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]
                 "--overwrite to start afresh (they are then renamed aside, not deleted)"
             )
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 alone moves files
-            aside = checkpoints.with_name(f"{checkpoints.name}.old-{_stamp()}")
-            n = 1
-            while aside.exists():
-                aside, n = checkpoints.with_name(f"{checkpoints.name}.old-{_stamp()}-{n}"), n + 1
+            aside = _unused_name(checkpoints, f"{checkpoints.name}.old-{_stamp()}")
             checkpoints.rename(aside)
             print(f"hf-relpos train: the earlier run's checkpoints were moved to {aside}", file=sys.stderr)
     return None
@@ -364,6 +366,17 @@ class RemoveIfEmptyOnFailure:
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
         return False
+
+
+def weights_problem(info: dict) -> Optional[str]:
+    """What ``from_pretrained(..., output_loading_info=True)`` left unloaded (None: every weight loaded): weights of
+    another size, else missing ones, named."""
+    mismatched = [f"{name} {list(saved)} in the file, {list(wanted)} for config.json"
+                  for name, saved, wanted in sorted(info.get("mismatched_keys") or [])]
+    missing = sorted(info.get("missing_keys") or [])
+    if mismatched:
+        return "; ".join(mismatched[:2])
+    return "missing " + ", ".join(missing[:3]) if missing else None
 
 
 def one_line(error: BaseException) -> str:
@@ -470,12 +483,9 @@ def load_folder(folder: str):
         raise UserError(f"{weights} is damaged or truncated ({one_line(error)}): train again or restore the file") from error
     except (OSError, ValueError) as error:
         raise UserError(f"{weights}: {one_line(error)}") from error
-    mismatched = [f"{name} {list(saved)} in the file, {list(wanted)} for config.json"
-                  for name, saved, wanted in sorted(info.get("mismatched_keys") or [])]
-    missing = sorted(info.get("missing_keys") or [])
-    if mismatched or missing:  # never a model with freshly initialised weights
-        shown = "; ".join(mismatched[:2]) if mismatched else "missing " + ", ".join(missing[:3])
-        raise UserError(f"{weights} does not match {path / 'config.json'}: {shown}")
+    problem = weights_problem(info)
+    if problem:  # never a model with freshly initialised weights
+        raise UserError(f"{weights} does not match {path / 'config.json'}: {problem}")
     return model.eval(), tokenizer
 
 

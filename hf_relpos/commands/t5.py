@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import MODEL_FILE, RemoveIfEmptyOnFailure, check_writable, is_model_folder, one_line, read_json_object
+from .common import (
+    MODEL_FILE, RemoveIfEmptyOnFailure, check_writable, is_model_folder, one_line, read_json_object, weights_problem,
+)
 from .errors import UserError
 from .model_card import write_seq2seq_card
 
@@ -131,12 +133,9 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
             raise UserError(f"{named} is damaged or truncated ({one_line(error)})") from error
         except (OSError, ValueError) as error:
             raise UserError(f"SRC_FOLDER {str(src)!r}: its weights cannot be loaded ({one_line(error)})") from error
-        mismatched = [f"{name} {list(saved)} in the file, {list(wanted)} for config.json"
-                      for name, saved, wanted in sorted(info.get("mismatched_keys") or [])]
-        missing = sorted(info.get("missing_keys") or [])
-        if mismatched or missing:  # converting freshly initialised weights would pass the parity check, silently
-            shown = "; ".join(mismatched[:2]) if mismatched else "missing " + ", ".join(missing[:3])
-            raise UserError(f"SRC_FOLDER {str(src)!r}: its weights do not match its config.json: {shown}")
+        problem = weights_problem(info)
+        if problem:  # converting freshly initialised weights would pass the parity check, silently
+            raise UserError(f"SRC_FOLDER {str(src)!r}: its weights do not match its config.json: {problem}")
         upstream = upstream.float().eval()
         converted = from_t5(upstream, check=False)
         try:  # before anything is written: a model that differs from its source is refused, not recorded
