@@ -11,6 +11,14 @@ from typing import Optional
 import torch
 
 
+def _exporting() -> bool:
+    """True while ``torch.export`` (and the ONNX exporter built on it) traces: the fast paths step aside for the
+    public-op reference math, since their private kernels, autograd Functions, Python loops over a length and
+    host reads cannot be exported. Every ``kernels.*_applies`` predicate asks this first; eager calls pay one
+    cheap Python call and keep their paths, and ``torch.compile`` (which traces those paths) keeps them too."""
+    return torch.compiler.is_exporting()
+
+
 def _is_zero(offset) -> bool:
     """True for the int 0; a traced tensor offset is never known to be 0, so the paths for any offset run."""
     return isinstance(offset, int) and offset == 0

@@ -38,6 +38,7 @@ from .kernels import (
     causal_key_bias,
     causal_key_bias_applies,
     fire_mlp,
+    fire_mlp_applies,
     fused_bias_applies,
     fused_bias_attention,
     saturating_bias_banded,
@@ -45,6 +46,7 @@ from .kernels import (
     shaw_banded,
     shaw_banded_applies,
     txl_chunked,
+    txl_chunked_applies,
 )
 
 __all__ = [
@@ -74,6 +76,8 @@ __all__ = [
 
 
 def _check_int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, torch.SymInt):  # a traced (torch.export) length: its bounds are the exporter's to check
+        return value
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
             value = int(value.item())
@@ -594,7 +598,7 @@ def transformer_xl_attention(
     if (Q == 0 or B * H == 0) and not need_weights:  # nothing to attend (the fused CPU kernel divides by the head count)
         return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * sum(t.sum() for t in (q, k, v, r, u, w))
     scale = 1.0 / math.sqrt(D)
-    if dropout_p == 0.0 and not need_weights:
+    if dropout_p == 0.0 and not need_weights and txl_chunked_applies():
         return txl_chunked(q, k, v, r, u, w, attention_mask=attention_mask, is_causal=is_causal)
     M = K - Q
     causal = _causal_pattern(Q, K, M, q.device) if is_causal else None
@@ -796,6 +800,8 @@ def causal_key_bias_attention(
     exact = exact + _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device))
     alive = torch.isfinite(exact).any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=exact.to(q.dtype), scale=scale)
+    if torch.compiler.is_compiling():  # no host read in a traced graph
+        return out.masked_fill(~alive, 0.0)
     return out.masked_fill(~alive, 0.0) if not bool(alive.all()) else out
 
 
@@ -902,6 +908,10 @@ def fire_bias(
     normaliser = psi(torch.maximum(positions.to(compute), threshold)) + eps  # [B|1, Q]
     distance = _relative_distance(query_length, key_length, past_length, device).to(compute)
     x = psi(distance) / normaliser[:, :, None]  # [B|1, Q, K]: |i' - j| through ψ's absolute value
-    bias = fire_mlp(x, *(t.to(compute) for t in (w1, b1, w2, b2)))  # [B|1, Q, K, H]
+    weights = [t.to(compute) for t in (w1, b1, w2, b2)]
+    if fire_mlp_applies():
+        bias = fire_mlp(x, *weights)  # [B|1, Q, K, H]
+    else:  # the same MLP over all rows at once
+        bias = F.linear(F.relu(F.linear(x[..., None], weights[0], weights[1])), weights[2], weights[3])
     return bias.permute(0, 3, 1, 2).to(w1.dtype)
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.autograd.function import once_differentiable
 
-from .attention_utils import _additive_mask, _causal_pattern, _is_zero, _rel_shift
+from .attention_utils import _additive_mask, _causal_pattern, _exporting, _is_zero, _rel_shift
 
 __all__ = [
     "fused_bias_applies",
@@ -44,9 +44,11 @@ __all__ = [
     "saturating_bias_banded_applies",
     "saturating_bias_banded",
     "banded_attention",
+    "txl_chunked_applies",
     "txl_chunked",
     "causal_key_bias_applies",
     "causal_key_bias",
+    "fire_mlp_applies",
     "fire_mlp",
 ]
 
@@ -144,7 +146,7 @@ class _AttentionWithBias(torch.autograd.Function):
 
 def fused_bias_applies(q: torch.Tensor) -> bool:
     """The fused forward with a chunked backward pays on CPU when a gradient is wanted (else plain SDPA)."""
-    return q.device.type == "cpu" and torch.is_grad_enabled()
+    return not _exporting() and q.device.type == "cpu" and torch.is_grad_enabled()
 
 
 def fused_bias_attention(
@@ -424,7 +426,8 @@ def _banded_applies(q, k, v, reach, attention_mask, past_length, dropout_p, min_
     or with one that masks keys alone (padding), when long enough to pay."""
     n = q.shape[2]
     return (
-        q.device.type == "cpu"
+        not _exporting()
+        and q.device.type == "cpu"
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)
         and _is_zero(past_length)
         and dropout_p == 0.0
@@ -621,6 +624,11 @@ class _TransformerXLAttention(torch.autograd.Function):
         return (*grads, dmask, None, None, None)
 
 
+def txl_chunked_applies() -> bool:
+    """True where :func:`txl_chunked` may run (it needs ``B·H·Q > 0``, no dropout, no weights: the caller checks)."""
+    return not _exporting()
+
+
 def txl_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor, u: torch.Tensor, w: torch.Tensor, *,
     attention_mask: Optional[torch.Tensor] = None, is_causal: bool = True, chunk: int = TXL_CHUNK,
@@ -718,7 +726,8 @@ def causal_key_bias_applies(q, k, v, key_bias, attention_mask=None) -> bool:
     no mask or a key mask, one head size, a key bias that needs no gradient."""
     B, H, n, D = q.shape
     return (
-        q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
+        not _exporting()
+        and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
         and v.shape[-1] == D  # the fused kernel needs one head size
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)
         # the kernel gives no gradient for its mask: a trained key bias takes the exact form
@@ -746,6 +755,11 @@ def causal_key_bias(
 
 def _fire_mlp(x, w1, b1, w2, b2):
     return F.linear(F.relu(F.linear(x[..., None], w1, b1)), w2, b2)
+
+
+def fire_mlp_applies() -> bool:
+    """True where :func:`fire_mlp`'s blocks may run (their loop over query rows would fix an exported length)."""
+    return not _exporting()
 
 
 def fire_mlp(

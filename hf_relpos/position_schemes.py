@@ -26,6 +26,7 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention_utils import _exporting
 from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
 from .functional import (
     alibi_bias,
@@ -400,7 +401,8 @@ class AdditiveBiasScheme(PositionScheme):
     def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
         """The compact form where one applies, else the bias merged with the mask: ``[B|1, H, Q, K]``."""
         fused_cpu = (
-            ctx.attn_implementation == "sdpa"
+            not _exporting()  # the compact forms' paths are eager fast paths (T5's band reads its reach on the host)
+            and ctx.attn_implementation == "sdpa"
             and device.type == "cpu"
             and ctx.keys_only
             and not (self.training and self.attention_dropout > 0.0)
@@ -707,7 +709,8 @@ class TransformerXLRelative(nn.Module):
     def _project(self, distances: torch.Tensor, dtype) -> torch.Tensor:
         """``W_{k,R} R_d`` per head: ``[H, len(distances), D]``."""
         r = self.r_net(sinusoidal_embedding(distances, self.hidden_size).to(dtype))
-        return r.view(len(distances), self.num_heads, self.head_dim).transpose(0, 1).contiguous()
+        # shape[0], not len(): len() of a traced length would fix it to the traced value
+        return r.view(distances.shape[0], self.num_heads, self.head_dim).transpose(0, 1).contiguous()
 
     def forward(self, distances: "RelativeDistances", dtype):
         """``W_{k,R} R_d`` for each distance (``[H, R, D]``), ``u`` and ``v``.
