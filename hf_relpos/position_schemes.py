@@ -427,6 +427,10 @@ class AdditiveBiasScheme(PositionScheme):
             # A query with no key left (padding) gives zeros under every kernel, as in plain SDPA: the
             # finfo.min entries of the merged bias would otherwise average the masked values.
             out = out * ctx.alive.transpose(1, 2)
+        if _exporting():
+            # A copy in the exported graph: with a bias that needs a gradient, the ONNX exporter decomposes SDPA into
+            # an output of another layout than the traced one, which the layer's reshape (traced as a view) cannot view.
+            out = out.clone(memory_format=torch.contiguous_format)
         return out, weights
 
 
