@@ -61,13 +61,14 @@ class _DecoderStep(torch.nn.Module):
 
     def forward(self, decoder_input_ids, encoder_hidden_states, attention_mask, past_keys, past_values):
         pairs = [(past_keys[i], past_values[i]) for i in range(past_keys.shape[0])]
-        cache = EncoderDecoderCache(DynamicCache(pairs), DynamicCache())
+        past = DynamicCache(pairs)  # grown in place by the forward
+        cache = EncoderDecoderCache(past, DynamicCache())
         out = self.model(
             decoder_input_ids=decoder_input_ids, encoder_outputs=(encoder_hidden_states,), attention_mask=attention_mask,
             cache=cache, use_cache=True,
         )
-        layers = out.past_key_values.self_attention_cache.layers
-        return out.logits, torch.stack([layer.keys for layer in layers]), torch.stack([layer.values for layer in layers])
+        return (out.logits, torch.stack([layer.keys for layer in past.layers]),
+                torch.stack([layer.values for layer in past.layers]))
 
 
 def _step_inputs(config, batch: int, source: int, past: int, seed: int):
