@@ -46,6 +46,7 @@ from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_relpos import RelPosConfig
+from .model_card_relpos import model_card, write_card
 from .position_schemes import (
     POSITION_SCHEMES,
     FireScheme,
@@ -649,18 +650,27 @@ class RelPosPreTrainedModel(PreTrainedModel):
         return loss.nan_to_num(0.0)  # a mean over no label (0 / 0); its gradient is 0, as the logits' are
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code).
+        """Save safetensors, the config with a complete ``auto_map``, the code files (remote code) and a model card.
 
         ``auto_map`` names every Auto class, the ones that cannot hold this config too: loaded with remote code,
         a mismatched Auto class then reaches a class of ours, which refuses it in one line naming
         ``is_encoder_decoder`` and the Auto class to use (instead of Transformers' "Unrecognized configuration
-        class")."""
+        class"). The card (``README.md``, ``model_card_relpos``) is written unless the folder holds a README that
+        is not an unedited card of ours: a user's README is never replaced."""
         self.config.auto_map = dict(AUTO_MAP)
         if type(self)._auto_class is None:
             type(self).register_for_auto_class(_AUTO_CLASS_OF.get(type(self).__name__, "AutoModel"))
         if type(self.config)._auto_class is None:
             type(self.config).register_for_auto_class()
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
+        # Who writes, as Transformers decides it: should_save_on_this_rank (rank 0 under torch.distributed).
+        writes = getattr(self, "should_save_on_this_rank", lambda main: main)(is_main_process)
+        if writes and os.path.isdir(save_directory):
+            name = next(c.__name__ for c in type(self).__mro__ if c.__name__ in _AUTO_CLASS_OF)
+            card = model_card(self.config, type(self).__name__, _AUTO_CLASS_OF[name], self.num_parameters())
+            write_card(save_directory, card)
+        return result
 
 
 _AUTO_CLASS_OF = {
