@@ -688,7 +688,7 @@ def _check_holds(name: str, config: RelPosConfig, encoder_decoder: bool) -> None
         return
     saved = next(iter(getattr(config, "architectures", None) or []), None)
     if encoder_decoder:
-        instead = (f"{_AUTO_CLASS_OF[saved]} ({saved}, the class it was saved from)" if saved in _AUTO_CLASS_OF
+        instead = (f"{_AUTO_CLASS_OF[saved]} (it was saved from {saved})" if saved in _AUTO_CLASS_OF
                    else "AutoModelForCausalLM, AutoModel or AutoModelForSequenceClassification")
         raise ValueError(
             f"{name} holds an encoder-decoder (config.is_encoder_decoder=True), got is_encoder_decoder=False (a "
