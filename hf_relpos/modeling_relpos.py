@@ -46,6 +46,7 @@ from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_relpos import RelPosConfig
+from .model_card_relpos import model_card, write_card
 from .position_schemes import (
     POSITION_SCHEMES,
     FireScheme,
@@ -649,16 +650,27 @@ class RelPosPreTrainedModel(PreTrainedModel):
         return loss.nan_to_num(0.0)  # a mean over no label (0 / 0); its gradient is 0, as the logits' are
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Save safetensors, the config with a complete ``auto_map``, and the code files (remote code)."""
-        seq2seq = "AutoModelForSeq2SeqLM"
-        self.config.auto_map = {
-            k: v for k, v in AUTO_MAP.items() if (k == seq2seq) == self.config.is_encoder_decoder or k == "AutoConfig"
-        }
+        """Save safetensors, the config with a complete ``auto_map``, the code files (remote code) and a model card.
+
+        ``auto_map`` names every Auto class, the ones that cannot hold this config too: loaded with remote code,
+        a mismatched Auto class then reaches a class of ours, which refuses it in one line naming
+        ``is_encoder_decoder`` and the Auto class to use (instead of Transformers' "Unrecognized configuration
+        class"). The card (``README.md``, ``model_card_relpos``) is written unless the folder holds a README that
+        is not an unedited card of ours: a user's README is never replaced."""
+        self.config.auto_map = dict(AUTO_MAP)
         if type(self)._auto_class is None:
             type(self).register_for_auto_class(_AUTO_CLASS_OF.get(type(self).__name__, "AutoModel"))
         if type(self.config)._auto_class is None:
             type(self.config).register_for_auto_class()
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        is_main_process = args[0] if args else kwargs.get("is_main_process", True)
+        # Who writes, as Transformers decides it: should_save_on_this_rank (rank 0 under torch.distributed).
+        writes = getattr(self, "should_save_on_this_rank", lambda main: main)(is_main_process)
+        if writes and os.path.isdir(save_directory):
+            name = next(c.__name__ for c in type(self).__mro__ if c.__name__ in _AUTO_CLASS_OF)
+            card = model_card(self.config, type(self).__name__, _AUTO_CLASS_OF[name], self.num_parameters())
+            write_card(save_directory, card)
+        return result
 
 
 _AUTO_CLASS_OF = {
@@ -669,13 +681,38 @@ _AUTO_CLASS_OF = {
 }
 
 
+def _check_holds(name: str, config: RelPosConfig, encoder_decoder: bool) -> None:
+    """Raise ``ValueError`` when ``config`` describes the other kind of model than class ``name`` holds (an
+    encoder-decoder's or a decoder-only one's): Transformers would build it and load none of the weights."""
+    if bool(config.is_encoder_decoder) == encoder_decoder:
+        return
+    saved = next(iter(getattr(config, "architectures", None) or []), None)
+    if encoder_decoder:
+        instead = (f"{_AUTO_CLASS_OF[saved]} (it was saved from {saved})" if saved in _AUTO_CLASS_OF
+                   else "AutoModelForCausalLM, AutoModel or AutoModelForSequenceClassification")
+        raise ValueError(
+            f"{name} holds an encoder-decoder (config.is_encoder_decoder=True), got is_encoder_decoder=False (a "
+            f"decoder-only config): load it with {instead}"
+        )
+    raise ValueError(
+        f"{name} cannot hold an encoder-decoder config (config.is_encoder_decoder=True"
+        + (f", saved from {saved}" if saved else "")
+        + "): load it with AutoModelForSeq2SeqLM (RelPosForConditionalGeneration"
+        + ("; its stacks are its .encoder and .decoder)" if name == "RelPosModel" else ")")
+    )
+
+
 # ----------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------
 
 
 class RelPosModel(RelPosPreTrainedModel):
-    def __init__(self, config: RelPosConfig):
+    def __init__(self, config: RelPosConfig, *, stack: bool = False):
+        """``stack=True``: one of an encoder-decoder's stacks, which ``RelPosForConditionalGeneration`` builds from
+        its config's ``stack_config``; otherwise an encoder-decoder's config is refused."""
+        if not stack:
+            _check_holds(type(self).__name__, config, encoder_decoder=False)
         super().__init__(config)
         # An encoder-decoder's pad id is also its decoder start token (T5): its row is trained, as upstream's.
         self.padding_idx = None if config.is_encoder_decoder else config.pad_token_id
@@ -1049,6 +1086,7 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: RelPosConfig):
+        _check_holds(type(self).__name__, config, encoder_decoder=False)
         if not config.is_decoder:
             raise ValueError(
                 "RelPosForCausalLM needs config.is_decoder=True (causal attention), got is_decoder=False"
@@ -1127,6 +1165,7 @@ class RelPosForSequenceClassification(RelPosPreTrainedModel):
     """Pools the last non-padding token (causal models) or the mean of non-padding tokens (bidirectional)."""
 
     def __init__(self, config: RelPosConfig):
+        _check_holds(type(self).__name__, config, encoder_decoder=False)
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = RelPosModel(config)
@@ -1206,15 +1245,12 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
     }
 
     def __init__(self, config: RelPosConfig):
-        if not config.is_encoder_decoder:
-            raise ValueError(
-                "RelPosForConditionalGeneration needs config.is_encoder_decoder=True, got is_encoder_decoder=False"
-            )
+        _check_holds(type(self).__name__, config, encoder_decoder=True)
         super().__init__(config)
         self.loss_type = "ForMaskedLM"  # labels are aligned with the logits (no shift inside the loss), as T5's
         self.shared = nn.Embedding(config.vocab_size, config.hidden_size)  # no padding_idx: see RelPosModel
-        self.encoder = RelPosModel(config.stack_config(decoder=False))
-        self.decoder = RelPosCrossDecoder(config.stack_config(decoder=True))
+        self.encoder = RelPosModel(config.stack_config(decoder=False), stack=True)
+        self.decoder = RelPosCrossDecoder(config.stack_config(decoder=True), stack=True)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 

@@ -12,6 +12,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from ..model_card_relpos import BIBTEX  # one source: save_pretrained's card cites the same papers
+
 TEMPLATES = "hf_relpos.model_cards"  # one ``<scheme>.md`` per scheme, and ``seq2seq.md`` for convert-t5
 
 
@@ -31,62 +33,6 @@ def read_template(name: str) -> str:
     if not template.is_file():
         raise FileNotFoundError(f"model card template {template} is missing from the installed package")
     return template.read_text(encoding="utf-8")
-
-
-BIBTEX = {
-    "t5_bias": """@article{raffel2020t5,
-  title={Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer},
-  author={Raffel, Colin and Shazeer, Noam and Roberts, Adam and Lee, Katherine and Narang, Sharan and Matena, Michael and Zhou, Yanqi and Li, Wei and Liu, Peter J.},
-  journal={Journal of Machine Learning Research}, volume={21}, number={140}, pages={1--67}, year={2020}
-}""",
-    "shaw": """@inproceedings{shaw2018relative,
-  title={Self-Attention with Relative Position Representations},
-  author={Shaw, Peter and Uszkoreit, Jakob and Vaswani, Ashish},
-  booktitle={Proceedings of NAACL-HLT}, pages={464--468}, year={2018}
-}""",
-    "transformer_xl": """@inproceedings{dai2019transformerxl,
-  title={Transformer-{XL}: Attentive Language Models beyond a Fixed-Length Context},
-  author={Dai, Zihang and Yang, Zhilin and Yang, Yiming and Carbonell, Jaime and Le, Quoc V. and Salakhutdinov, Ruslan},
-  booktitle={Proceedings of ACL}, pages={2978--2988}, year={2019}
-}""",
-    "log_decay": """@inproceedings{chi2022kerple,
-  title={{KERPLE}: Kernelized Relative Positional Embedding for Length Extrapolation},
-  author={Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.},
-  booktitle={Advances in Neural Information Processing Systems}, year={2022},
-  note={the log-decay bias is the fixed (r1 = lambda, r2 = 1) case of KERPLE's logarithmic variant}
-}""",
-    "alibi": """@inproceedings{press2022alibi,
-  title={Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation},
-  author={Press, Ofir and Smith, Noah A. and Lewis, Mike},
-  booktitle={International Conference on Learning Representations}, year={2022}
-}""",
-    "rope": """@article{su2021roformer,
-  title={{RoFormer}: Enhanced Transformer with Rotary Position Embedding},
-  author={Su, Jianlin and Lu, Yu and Pan, Shengfeng and Murtadha, Ahmed and Wen, Bo and Liu, Yunfeng},
-  journal={arXiv preprint arXiv:2104.09864}, year={2021}
-}""",
-}
-BIBTEX["kerple_log"] = """@inproceedings{chi2022kerple,
-  title={{KERPLE}: Kernelized Relative Positional Embedding for Length Extrapolation},
-  author={Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.},
-  booktitle={Advances in Neural Information Processing Systems}, year={2022}
-}"""
-BIBTEX["fire"] = """@inproceedings{li2024fire,
-  title={Functional Interpolation for Relative Positions Improves Long Context Transformers},
-  author={Li, Shanda and You, Chong and Guruganesh, Guru and Ainslie, Joshua and Ontanon, Santiago and Zaheer, Manzil
-          and Sanghai, Sumit and Yang, Yiming and Kumar, Sanjiv and Bhojanapalli, Srinadh},
-  booktitle={International Conference on Learning Representations}, year={2024}
-}"""
-BIBTEX["nope"] = """@inproceedings{kazemnejad2023nope,
-  title={The Impact of Positional Encoding on Length Generalization in Transformers},
-  author={Kazemnejad, Amirhossein and Padhi, Inkit and Natesan Ramamurthy, Karthikeyan and Das, Payel and Reddy, Siva},
-  booktitle={Advances in Neural Information Processing Systems}, year={2023}
-}"""
-BIBTEX["sinusoidal"] = BIBTEX["learned"] = """@inproceedings{vaswani2017attention,
-  title={Attention Is All You Need},
-  author={Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia},
-  booktitle={Advances in Neural Information Processing Systems}, year={2017}
-}"""
 
 
 def format_ppl(value) -> str:
