@@ -168,6 +168,35 @@ def folders(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A folder written by ``hf-relpos train``: learned positions (a table of 16)."""
+    folder = tmp_path_factory.mktemp("trained") / "learned"
+    assert hf_relpos_cli.main(["train", "--position-encoding", "learned", "--output-dir", str(folder), "--steps", "1",
+                               "--seq-len", "16", "--batch-size", "2", "--vocab-size", "300", "--eval-tokens", "64",
+                               "--quiet"]) == 0
+    return folder
+
+
+def test_a_trained_folder_goes_through_executorchs_recipe(trained, capsys):
+    """Trainer turns config.use_cache off for training; the folder turns it on again, in its generation config too
+    (the recipe refuses a model without cache), and the program's decoding is generate's."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from hf_relpos.commands.common import load_folder
+
+    capsys.readouterr()
+    model, _ = load_folder(str(trained))
+    assert model.config.use_cache is True and model.generation_config.use_cache is True
+    prompt = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6))
+    expected = greedy(model, prompt, 8)
+    model.generation_config.cache_implementation = "static"
+    with torch.no_grad():
+        program = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=16).export(
+            input_ids=prompt[:, :1], cache_position=torch.tensor([0]))
+        assert torch.equal(static_cache_greedy(program, prompt, 8), expected)
+
+
 def run(argv, capsys):
     try:
         code = hf_relpos_cli.main(argv)
@@ -198,31 +227,36 @@ def run_readme(out: Path) -> str:
 
 
 def expected_text(folder: Path) -> str:
-    """The README's greedy decoding by the model itself: ``generate``'s tokens for the prompt, decoded."""
+    """The README's greedy decoding by the model itself: ``generate``'s tokens for the prompt (20, or up to the end
+    of a position table), decoded."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     model = RelPosForCausalLM.from_pretrained(folder).eval()
     ids = torch.tensor([tokenizer.encode(PROMPT, add_special_tokens=False).ids])
-    return tokenizer.decode(greedy(model, ids, 20)[0].tolist())
+    table = model.config.max_position_embeddings if model.config.position_encoding == "learned" else 10**6
+    new = min(20, table - ids.shape[1])
+    assert new < 20 or table == 10**6, "the prompt leaves the table room for 20 new tokens: the break goes untested"
+    return tokenizer.decode(greedy(model, ids, new)[0].tolist())
 
 
-def test_export_pt2_round_trip(folders, tmp_path, capsys):
-    folder = folders("learned")  # an absolute table: positions from the mask, the length capped by the table
+def test_export_pt2_round_trip(trained, tmp_path, capsys):
+    folder = trained  # an absolute table: positions from the mask, the length capped by the table
     out = tmp_path / "learned-pt2"
+    capsys.readouterr()
     code, printed, err = run(["export", str(folder), str(out), "--format", "pt2"], capsys)
     assert code == 0, err
     assert "max |difference| to the model" in printed and err == ""
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "export.json", "model.pt2", "tokenizer.json",
                                                      "tokenizer_config.json"]
     record = json.loads((out / "export.json").read_text())
-    assert record["format"] == "pt2" and record["max_sequence_length"] == 48
+    assert record["format"] == "pt2" and record["max_sequence_length"] == 16
     assert record["check"]["max_abs_difference"] <= 1e-5
 
     # read back as a user would, on a shape of its own: a left-padded row gives the logits of the row alone
     program = torch.export.load(out / "model.pt2").module()
     model = RelPosForCausalLM.from_pretrained(folder).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, model.config.vocab_size, (2, 15), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     with torch.no_grad():

@@ -295,6 +295,8 @@ def readme(record: dict, out: Path) -> str:
     limit = record["max_sequence_length"]
     length = (f"at most {limit} tokens (the {record['position_encoding']} position table)" if limit else
               "any length (no position table)")
+    indent = "        " if fmt == "pt2" else "    "  # the loop's body
+    stop = f"\n{indent}if ids.shape[1] == {limit}:  # the end of the position table\n{indent}    break" if limit else ""
     if fmt == "onnx":
         run = f"""```python
 import numpy as np
@@ -304,7 +306,7 @@ from tokenizers import Tokenizer
 tokenizer = Tokenizer.from_file("{name}/tokenizer.json")
 session = onnxruntime.InferenceSession("{name}/model.onnx")
 ids = np.array([tokenizer.encode("The for statement", add_special_tokens=False).ids])
-for _ in range(20):  # greedy decoding: the whole text each step (the program keeps no cache)
+for _ in range(20):  # greedy decoding: the whole text each step (the program keeps no cache){stop}
     logits = session.run(["logits"], {{"input_ids": ids, "attention_mask": np.ones_like(ids)}})[0]
     ids = np.concatenate([ids, logits[:, -1:].argmax(-1)], axis=1)
 print(tokenizer.decode(ids[0].tolist()))
@@ -320,7 +322,7 @@ tokenizer = Tokenizer.from_file("{name}/tokenizer.json")
 model = torch.export.load("{name}/model.pt2").module()
 ids = torch.tensor([tokenizer.encode("The for statement", add_special_tokens=False).ids])
 with torch.no_grad():
-    for _ in range(20):  # greedy decoding: the whole text each step (the program keeps no cache)
+    for _ in range(20):  # greedy decoding: the whole text each step (the program keeps no cache){stop}
         logits = model(ids, torch.ones_like(ids))
         ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
 print(tokenizer.decode(ids[0].tolist()))
