@@ -140,13 +140,29 @@ def quiet_exporters():
         logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def memory_left_out(model):
+    """Transformer-XL with memory: the program returns the logits alone, so the memory it would hand on (``mems``,
+    the last ``mem_len`` states of each layer) is left out of the trace; slicing it from a traced length makes
+    torch.export fix that length below ``mem_len``."""
+    base = model.model
+    if not model.config.mem_len:
+        yield
+        return
+    base._update_memory = lambda memory, hidden_states: hidden_states  # an instance attribute over the method
+    try:
+        yield
+    finally:
+        del base._update_memory
+
+
 def export_program(model, fmt: str, path: Path) -> None:
     """Trace ``model``'s logits and write the program to ``path`` (``torch.export.save`` or ONNX)."""
     import torch
 
     wrapper = logits_module(model)
     inputs = example_inputs(shapes(model.config)[0], model.config.vocab_size, seed=0)
-    with torch.no_grad(), quiet_exporters():
+    with torch.no_grad(), quiet_exporters(), memory_left_out(model):
         if fmt == "pt2":
             program = torch.export.export(wrapper, inputs, dynamic_shapes=dynamic_shapes(model.config), strict=False)
             torch.export.save(program, path)
