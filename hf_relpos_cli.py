@@ -10,7 +10,7 @@ Exit status: 0 on success; 2 for a user error, printed as one line
 ``hf-relpos <command>: error: <what was given, what is allowed>`` (a traceback only with ``--debug``
 or ``HF_RELPOS_DEBUG=1``); 130 after Ctrl-C; an unexpected exception prints its traceback (1).
 
-Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``compare``, ``inspect``. Without ``make``::
+Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``compare``, ``inspect``, ``export``. Without ``make``::
 
     hf-relpos train --position-encoding alibi --output-dir runs/alibi --steps 300
     hf-relpos inspect runs/alibi --prompt "The for statement"   # runs/alibi/inspect/*.png
@@ -31,6 +31,7 @@ SCHEMES = (
     "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
 )
 PRESET_NAMES = ("small", "tiny")
+EXPORT_FORMATS = ("onnx", "pt2")  # hf_relpos.commands.export.FORMATS, restated: parsing needs no torch
 INSPECT_PROMPT = "The for statement is used to iterate over the elements of a sequence."
 MIN_VOCAB = 259  # the byte-level BPE's 256 byte tokens and its 3 special tokens (hf_relpos.data.SPECIAL_TOKENS)
 MAX_TEXT_BYTES = 8 * 2**20  # hf_relpos.data.MAX_TEXT_BYTES, restated: this module imports no torch
@@ -45,6 +46,7 @@ COMMANDS = {
     "convert-t5": "hf_relpos.commands.t5:convert_t5_command",
     "compare": "hf_relpos.commands.compare:compare_command",
     "inspect": "hf_relpos.commands.inspect:inspect_command",
+    "export": "hf_relpos.commands.export:export_command",
 }
 
 
@@ -210,6 +212,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--distance", type=positive_int, default=None,
                    help="largest distance in position.png (default: twice the training length)")
     p.add_argument("--overwrite", action="store_true", help="replace figures already in --output-dir")
+
+    p = command("export", "a trained folder as one ONNX or torch.export program, checked against the model")
+    p.add_argument("folder", help="a folder written by `hf-relpos train`")
+    p.add_argument("out", help="the folder to write: model.onnx or model.pt2, the tokenizer, export.json and a README")
+    p.add_argument("--format", choices=EXPORT_FORMATS, required=True,
+                   help="onnx (torch.onnx.export, dynamo; run with onnxruntime) or pt2 (torch.export.save)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
     return root
 
 

@@ -490,11 +490,17 @@ class LogDecayScheme(AdditiveBiasScheme):
 class AlibiScheme(AdditiveBiasScheme):
     """Press et al. 2022: ``-m_h·|i - j|`` with fixed geometric head slopes."""
 
-    # Fixed tables are computed on the fly in float32 rather than kept as buffers, which `.to(bf16)`
-    # would round (and `from_pretrained` would rebuild in float32: a model that changes when reloaded).
+    def __init__(self, config: RelPosConfig):
+        super().__init__(config)
+        # The fixed slopes in float32 as a plain attribute, not a buffer, which `.to(bf16)` would round (and
+        # `from_pretrained` would rebuild in float32: a model that changes when reloaded); made here, on the CPU
+        # (also under from_pretrained's meta device), not in forward, where torch.export's strict tracing would
+        # lift a fresh tensor under the path it reached the module by (after Transformers' DynamoExporter,
+        # `model.forward.__self__...`, which unlifting cannot find).
+        self.slopes = alibi_slopes(self.num_heads, device="cpu", dtype=torch.float32)
+
     def bias(self, ctx, device, dtype):
-        slopes = alibi_slopes(self.num_heads, device=device, dtype=torch.float32)
-        return alibi_bias(slopes, ctx.query_length, ctx.key_length, past_length=ctx.past_length)
+        return alibi_bias(self.slopes.to(device), ctx.query_length, ctx.key_length, past_length=ctx.past_length)
 
     def compact(self, ctx, device, dtype):
         """Causal ALiBi as a bias per key ``[H, K]`` (softmax ignores the row constant), which rides in the

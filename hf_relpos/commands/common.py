@@ -227,7 +227,7 @@ def check_writable(*folders: Union[str, Path], flag: str = "--output-dir") -> No
 
 
 @contextlib.contextmanager
-def output_lock(out: Path, command: str, argv=()):
+def output_lock(out: Path, command: str, argv=(), flag: str = "--output-dir"):
     """Hold ``out``'s lock (a file beside it, ``.<name>.lock``) while a command writes there.
 
     A second command on the same folder gets one line naming the process that holds it (its pid, host and
@@ -256,11 +256,11 @@ def output_lock(out: Path, command: str, argv=()):
                    f"{holder['started']})")
         except (OSError, ValueError, KeyError):
             who = "another process"
-        raise UserError(f"--output-dir {str(out)!r} is in use by {who}; wait for it to finish or give another "
-                        "--output-dir") from None
+        raise UserError(f"{flag} {str(out)!r} is in use by {who}; wait for it to finish or give another "
+                        f"{flag}") from None
     except OSError as error:  # a folder (or an unreadable file) where the lock file goes
-        raise UserError(f"--output-dir {str(out)!r} cannot be locked: {lock_path} cannot be opened as a lock file "
-                        f"({error.strerror or one_line(error)}); remove it or give another --output-dir") from None
+        raise UserError(f"{flag} {str(out)!r} cannot be locked: {lock_path} cannot be opened as a lock file "
+                        f"({error.strerror or one_line(error)}); remove it or give another {flag}") from None
     try:
         try:
             left = json.loads(info.read_text())

@@ -455,8 +455,8 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     if not trainer.is_world_process_zero():  # under torchrun, rank 0 alone writes the folder
         return {}
 
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=64
+    model.generation_config = GenerationConfig(  # use_cache: ExecuTorch's recipe refuses a folder that leaves it unset
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=64, use_cache=True
     )
     test = streams["test"]
     max_tokens = options.eval_tokens
@@ -495,6 +495,9 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     with writing(out, hint):
         if staged.exists():
             set_aside(staged, "was being written when a run stopped")
+        # Trainer set config.use_cache to TrainingArguments.use_cache (False) while training; the folder is for
+        # inference, where ExecuTorch's recipe (TorchExportableModuleForDecoderOnlyLM) refuses a model without cache.
+        model.config.use_cache = True
         model.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
         (staged / RUN_FILE).write_text(json.dumps(summary, indent=2))
