@@ -368,6 +368,10 @@ class PositionScheme(nn.Module):
             scaling=attn.scaling,
             is_causal=ctx.causal and mask is None,
         )
+        if ctx.alive is not None and _exporting():
+            # Zeros for a query with no key left, as eager SDPA gives: the ONNX translation of SDPA with a boolean
+            # mask averages the masked values there instead.
+            out = out * ctx.alive.transpose(1, 2)
         return out, weights
 
 

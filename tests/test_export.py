@@ -184,3 +184,25 @@ def test_onnx_runs_in_onnxruntime_with_padding_and_dynamic_shapes(kind, scheme, 
     with torch.no_grad():
         want = module(*other)
     assert _difference(got if len(got) > 1 else got[0], want, other, kind) <= 1e-4
+
+
+@pytest.mark.parametrize("scheme,causal", [("rope", True), ("learned", False)])
+def test_onnx_padding_rows_give_eagers_zeros(scheme, causal, tmp_path):
+    """A query with no key left (left padding under causality; a row that is all padding) gives zero attention in
+    eager SDPA; the ONNX translation of SDPA with a boolean mask averages the masked values instead."""
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    cls, field = (RelPosForCausalLM, "logits") if causal else (RelPosModel, "last_hidden_state")
+    overrides = {} if causal else dict(is_decoder=False)
+    module = _Outputs(make_model(cls, scheme, "sdpa", preset="modeling", **ONE_LAYER, **overrides), field,
+                      use_cache=False).eval()
+    shapes = {"input_ids": {0: BATCH, 1: LENGTH}, "attention_mask": {0: BATCH, 1: LENGTH}}
+    torch.onnx.export(module, _tokens(3, 9, 0), dynamo=True, dynamic_shapes=shapes, verbose=False,
+                      optimize=False).save(str(tmp_path / "model.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids, mask = _tokens(3, 12, 1)
+    mask[0] = 0  # a row that is all padding
+    (got,) = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    with torch.no_grad():
+        want = module(ids, mask)
+    assert (torch.from_numpy(got) - want).abs().max().item() <= 1e-4  # every position, padding included
