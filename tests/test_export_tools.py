@@ -359,3 +359,35 @@ def test_export_user_errors_are_one_line(folders, tmp_path, capsys, monkeypatch)
     assert "--format onnx needs the packages onnx, onnxscript and onnxruntime (onnxruntime missing): " \
            "pip install 'hf_relpos[export]'" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "mine"]  # nothing created
+
+
+def test_out_through_a_symlink_or_dots(folders, tmp_path, capsys, monkeypatch):
+    """OUT a symbolic link to an earlier export: --overwrite replaces the export where the link points (the swap
+    renamed the link aside and then failed on it: 'Cannot call rmtree on a symbolic link', the link turned into a
+    folder and every later export to it failed the same way); '.' and 'x/..' are one-line errors (a traceback)."""
+    import hf_relpos.commands.export as export
+
+    def quick_write(model, tokenizer, path, out, staged, fmt):  # the swap is under test, not the program
+        record = {"hf_relpos_export": 1, "format": fmt, "check": {"runtime": "-", "input_shape": [1, 1],
+                                                                  "max_abs_difference": 0.0}}
+        (staged / export.EXPORT_RECORD).write_text(json.dumps(record))
+        (staged / "model.pt2").write_bytes(b"new")
+        return record
+
+    monkeypatch.setattr(export, "_write", quick_write)
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "export.json").write_text(json.dumps({"hf_relpos_export": 1}))
+    (real / "model.pt2").write_bytes(b"old")
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    code, _, err = run(["export", str(folders("rope")), str(link), "--format", "pt2", "--overwrite"], capsys)
+    assert code == 0, err
+    assert link.is_symlink() and (real / "model.pt2").read_bytes() == b"new"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith((".replaced", ".saving"))]
+
+    monkeypatch.chdir(tmp_path / "real")
+    for out in (".", "real/..", str(tmp_path / "new" / "..")):
+        err = one_line_error([str(folders("rope")), out, "--format", "pt2"], capsys)
+        assert f"OUT {out!r} names no folder of its own" in err
+    assert (real / "model.pt2").read_bytes() == b"new" and not (tmp_path / "new").exists()

@@ -232,6 +232,11 @@ def export_folder(folder: str, out_folder: str, fmt: str, *, overwrite: bool = F
         raise UserError(f"--format onnx needs the packages onnx, onnxscript and onnxruntime ({', '.join(missing)} "
                         "missing): pip install 'hf_relpos[export]'")
     path, out = check_folder(folder), Path(out_folder)
+    if out.name in ("", ".."):  # '.', '..', 'x/..': no name of its own for the staging folder, lock and rename
+        raise UserError(f"OUT {out_folder!r} names no folder of its own: give the folder by its name (e.g. "
+                        f"{str(out / 'exported')!r})")
+    if out.is_symlink():  # the export goes where the link points; the link itself is neither renamed nor replaced
+        out = out.resolve()
     _check_out(path, out, overwrite)
     check_writable(out, flag="OUT")  # before the work (the lock and the staging folder are written beside OUT)
     with output_lock(out, "export", argv, flag="OUT"):
