@@ -113,7 +113,11 @@ def model_card(config, class_name: str, auto_class: str, parameters: int) -> str
     scheme = config.position_encoding
     about, fields = SCHEMES[scheme]
     settings = ", ".join(f"`{name}={getattr(config, name)!r}`" for name in fields)
-    if config.is_encoder_decoder:
+    if config.is_encoder_decoder and class_name != "RelPosForConditionalGeneration":  # model.encoder.save_pretrained
+        kind = ("the decoder stack (causal, cross-attending to an encoder's states)" if config.is_decoder else
+                "the encoder stack (bidirectional)") + " of an encoder-decoder in T5's layout, saved alone"
+        layers = str(config.num_hidden_layers)
+    elif config.is_encoder_decoder:
         kind = ("encoder-decoder in T5's layout: a bidirectional encoder and a causal decoder with the scheme in "
                 "self-attention, cross-attention without a position term")
         layers = f"{config.num_hidden_layers} encoder, {config.num_decoder_layers} decoder"

@@ -673,6 +673,7 @@ class RelPosPreTrainedModel(PreTrainedModel):
         return result
 
 
+_STACKS = ("RelPosModel", "RelPosCrossDecoder")  # an encoder-decoder's encoder and decoder classes
 _AUTO_CLASS_OF = {
     "RelPosModel": "AutoModel",
     "RelPosForCausalLM": "AutoModelForCausalLM",
@@ -683,10 +684,20 @@ _AUTO_CLASS_OF = {
 
 def _check_holds(name: str, config: RelPosConfig, encoder_decoder: bool) -> None:
     """Raise ``ValueError`` when ``config`` describes the other kind of model than class ``name`` holds (an
-    encoder-decoder's or a decoder-only one's): Transformers would build it and load none of the weights."""
+    encoder-decoder's or a decoder-only one's): Transformers would build it and load none of the weights.
+    One stack saved alone (``model.encoder.save_pretrained``: ``is_encoder_decoder`` with architectures
+    ``RelPosModel`` or ``RelPosCrossDecoder``) is held by ``RelPosModel`` alone."""
+    saved = next(iter(getattr(config, "architectures", None) or []), None)
+    stack = bool(config.is_encoder_decoder) and saved in _STACKS
+    if stack and name in _STACKS:
+        return
+    if stack:
+        raise ValueError(
+            f"{name} cannot hold one stack of an encoder-decoder (config.is_encoder_decoder=True, saved from {saved}: "
+            "its encoder or decoder saved alone): load it with AutoModel (RelPosModel)"
+        )
     if bool(config.is_encoder_decoder) == encoder_decoder:
         return
-    saved = next(iter(getattr(config, "architectures", None) or []), None)
     if encoder_decoder:
         instead = (f"{_AUTO_CLASS_OF[saved]} (it was saved from {saved})" if saved in _AUTO_CLASS_OF
                    else "AutoModelForCausalLM, AutoModel or AutoModelForSequenceClassification")

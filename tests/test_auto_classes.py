@@ -106,3 +106,24 @@ def test_remote_code_refuses_the_other_kind(folders, tmp_path):
         assert outcome.startswith("ValueError: "), (name, outcome)
         assert _refusal(cls, instead).match(outcome.removeprefix("ValueError: ")), (name, outcome)
     assert results["seq2seq"]["outcome"] == results["causal"]["outcome"] == "loaded", results
+
+
+def test_a_stack_saved_alone_loads_with_automodel(tmp_path):
+    """``model.encoder.save_pretrained`` (or the decoder's) keeps ``is_encoder_decoder``: AutoModel loads it back whole,
+    as it did before the refusal (which refused it and sent it to AutoModelForSeq2SeqLM, where every weight was
+    missing); the heads refuse it naming AutoModel."""
+    import torch
+
+    model = make_model(RelPosForConditionalGeneration, "t5_bias", preset="seq2seq")
+    ids, states = torch.randint(2, 61, (2, 5)), torch.randn(2, 7, model.config.hidden_size)
+    for part, kwargs in (("encoder", {}), ("decoder", {"encoder_hidden_states": states})):
+        getattr(model, part).save_pretrained(tmp_path / part)
+        loaded, info = AutoModel.from_pretrained(tmp_path / part, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (part, info)
+        with torch.no_grad():
+            assert torch.equal(loaded(ids, **kwargs).last_hidden_state,
+                               getattr(model, part)(ids, **kwargs).last_hidden_state), part
+        for auto in (AutoModelForSeq2SeqLM, AutoModelForCausalLM):
+            with pytest.raises(ValueError, match=r"cannot hold one stack of an encoder-decoder .*load it with AutoModel "
+                                                 r"\(RelPosModel\)$"):
+                auto.from_pretrained(tmp_path / part)

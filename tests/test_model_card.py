@@ -154,3 +154,15 @@ def test_the_train_card_is_written_over_the_basic_one_and_then_kept(tmp_path):
     assert b"Test perplexity (500 held-out tokens" in train_card and not is_own_card(train_card.decode())
     model.save_pretrained(tmp_path)
     assert (tmp_path / CARD_FILE).read_bytes() == train_card
+
+
+def test_a_stacks_card_describes_the_stack(tmp_path):
+    """An encoder-decoder's encoder or decoder saved alone: its card gives that stack's kind and layers (it said
+    "encoder-decoder", "2 encoder, 3 decoder" for an encoder of 2 layers) and loads it with AutoModel."""
+    model = make_model(RelPosForConditionalGeneration, "t5_bias", preset="seq2seq")
+    for part, kind, layers in (("encoder", "the encoder stack (bidirectional)", model.config.num_hidden_layers),
+                               ("decoder", "the decoder stack (causal", model.config.num_decoder_layers)):
+        getattr(model, part).save_pretrained(tmp_path / part)
+        card = (tmp_path / part / CARD_FILE).read_text()
+        assert f"| attention | {kind}" in card and f"| layers | {layers} |" in card, card
+        assert "AutoModel.from_pretrained(" in card
