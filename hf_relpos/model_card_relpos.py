@@ -205,13 +205,15 @@ def write_card(folder, card: str) -> bool:
     kept, byte for byte); the text goes to a temporary file beside it, then replaces it in one rename. True when
     written."""
     path = os.path.join(folder, CARD_FILE)
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+        return False  # a link (dangling too), a folder, a pipe: the user's, not a file we wrote
     try:
         with open(path, encoding="utf-8") as existing:
             if not is_own_card(existing.read()):
                 return False
     except FileNotFoundError:
         pass
-    except (UnicodeDecodeError, IsADirectoryError):  # not text we wrote: the user's
+    except (UnicodeDecodeError, OSError):  # not text we wrote, or one we cannot read: the user's
         return False
     temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # beside it: the rename stays on one file system
     try:

@@ -166,3 +166,33 @@ def test_a_stacks_card_describes_the_stack(tmp_path):
         card = (tmp_path / part / CARD_FILE).read_text()
         assert f"| attention | {kind}" in card and f"| layers | {layers} |" in card, card
         assert "AutoModel.from_pretrained(" in card
+
+
+def test_a_readme_link_or_fifo_is_the_users(tmp_path):
+    """A README.md that is a symbolic link (dangling, or to a card of ours elsewhere) stays the link (a dangling one was
+    replaced by a card); a named pipe is not opened (reading it hung save_pretrained)."""
+    import os
+    import threading
+
+    elsewhere = tmp_path / "shared"
+    make_model(RelPosForCausalLM, "t5_bias").save_pretrained(elsewhere)
+    shared_card = (elsewhere / CARD_FILE).read_text()
+    for name, target in (("dangling", tmp_path / "nowhere.md"), ("linked", elsewhere / CARD_FILE)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / CARD_FILE).symlink_to(target)
+        make_model(RelPosForCausalLM, "shaw").save_pretrained(folder)
+        assert (folder / CARD_FILE).is_symlink() and os.readlink(folder / CARD_FILE) == str(target), name
+    assert (elsewhere / CARD_FILE).read_text() == shared_card and not (tmp_path / "nowhere.md").exists()
+
+    folder = tmp_path / "fifo"
+    folder.mkdir()
+    os.mkfifo(folder / CARD_FILE)
+    saving = threading.Thread(target=make_model(RelPosForCausalLM, "shaw").save_pretrained, args=(folder,), daemon=True)
+    saving.start()
+    saving.join(timeout=60)
+    if saving.is_alive():  # unblock the reader so the thread ends, then fail
+        with open(folder / CARD_FILE, "w"):
+            pass
+        pytest.fail("save_pretrained hung reading a named pipe README.md")
+    assert (folder / "model.safetensors").is_file()
