@@ -747,3 +747,28 @@ def test_plot_log_scale_marks_what_cannot_run_and_keeps_the_legend_off_the_data(
     figures[0].canvas.draw()
     legend = ax.get_legend().get_window_extent()
     assert legend.x0 >= ax.get_window_extent().x1 - 1  # to the right of the axes, off the data
+
+
+def test_train_and_compare_through_a_symlink_or_dots(trained, tmp_path, monkeypatch, capsys):
+    """--output-dir a link to an earlier run: --overwrite replaces the folder it points to and keeps the link
+    (it crashed with 'Cannot call rmtree on a symbolic link' and left the link turned into a folder); a path
+    ending in '.' or '..' is one line, nothing written."""
+    real = tmp_path / "real"
+    shutil.copytree(trained / "t5_bias", real)
+    weights = (real / "model.safetensors").read_bytes()
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    code, _, err = run(["train", "--output-dir", str(link), *TINY, "--seed", "1", "--overwrite", "--quiet"], capsys)
+    assert code == 0, err
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert (real / "model.safetensors").read_bytes() != weights  # the new run's weights, where the link points
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith((".replaced", ".saving"))]
+
+    monkeypatch.chdir(real)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for command in ("train", "compare"):
+        for out in (".", "real/.."):
+            code, _, err = run([command, "--output-dir", out, *TINY], capsys)
+            err = one_line_error(code, err, command)
+            assert f"--output-dir {out!r} names no folder of its own" in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

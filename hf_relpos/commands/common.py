@@ -204,6 +204,17 @@ def writing(folder: Path, resume_hint: str = ""):
         raise UserError(f"no space left on the device while writing {folder}; free some space{resume_hint}") from error
 
 
+def output_folder(given: Union[str, Path], flag: str = "--output-dir") -> Path:
+    """The folder a command replaces: a symbolic link is followed (the link stays, the folder it points to is
+    replaced, as a user who made the link means); a path ending in '.' or '..' has no name of its own for the
+    staging folder, the lock and the checkpoints named after it, and is refused."""
+    out = Path(given)
+    if out.name in ("", ".", ".."):
+        raise UserError(f"{flag} {str(given)!r} names no folder of its own: give the folder by its name "
+                        f"(e.g. {str(out / 'run')!r})")
+    return out.resolve() if out.is_symlink() else out
+
+
 def check_writable(*folders: Union[str, Path], flag: str = "--output-dir") -> None:
     """Refuse at once (before any work, not at the final save) a folder that cannot be written: each must be a
     folder (or not exist yet) under which this process can create a file. Tried, not guessed from permission

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .common import (
-    RUN_FILE, check_writable, checkpoints_dir, evaluation_name, last_checkpoint, output_lock, writing,
+    RUN_FILE, check_writable, checkpoints_dir, evaluation_name, last_checkpoint, output_folder, output_lock, writing,
 )
 from .errors import Interrupted, UserError
 from .model_card import format_ppl
@@ -75,7 +75,7 @@ def compare(options: CompareOptions) -> Path:
                                       eval_tokens=min(options.eval_tokens or 4096, 4096))
     if options.mem_len is not None and "transformer_xl" not in (options.schemes or ["transformer_xl"]):
         raise UserError("--mem-len applies to transformer_xl, which --schemes leaves out")
-    out = Path(options.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = output_folder(options.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
     contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from .common import (
-    check_folder, check_writable, load_folder, one_line, output_lock, position_table, recover_interrupted_save,
-    replace_folder, set_aside, staging_dir, writing,
+    check_folder, check_writable, load_folder, one_line, output_folder, output_lock, position_table,
+    recover_interrupted_save, replace_folder, set_aside, staging_dir, writing,
 )
 from .errors import UserError
 
@@ -231,12 +231,7 @@ def export_folder(folder: str, out_folder: str, fmt: str, *, overwrite: bool = F
     if missing:
         raise UserError(f"--format onnx needs the packages onnx, onnxscript and onnxruntime ({', '.join(missing)} "
                         "missing): pip install 'hf_relpos[export]'")
-    path, out = check_folder(folder), Path(out_folder)
-    if out.name in ("", ".."):  # '.', '..', 'x/..': no name of its own for the staging folder, lock and rename
-        raise UserError(f"OUT {out_folder!r} names no folder of its own: give the folder by its name (e.g. "
-                        f"{str(out / 'exported')!r})")
-    if out.is_symlink():  # the export goes where the link points; the link itself is neither renamed nor replaced
-        out = out.resolve()
+    path, out = check_folder(folder), output_folder(out_folder, flag="OUT")
     _check_out(path, out, overwrite)
     check_writable(out, flag="OUT")  # before the work (the lock and the staging folder are written beside OUT)
     with output_lock(out, "export", argv, flag="OUT"):

@@ -19,8 +19,8 @@ from typing import Optional, Sequence, Union
 
 from .common import (
     RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, check_writable, checkpoints_dir, evaluation_name, last_checkpoint,
-    load_folder, output_lock, position_table, prepare_output, refuse_files, replace_folder, set_aside, staging_dir,
-    training_length, writing,
+    load_folder, output_folder, output_lock, position_table, prepare_output, refuse_files, replace_folder, set_aside,
+    staging_dir, training_length, writing,
 )
 from .errors import Interrupted, UserError
 
@@ -72,7 +72,7 @@ class TrainOptions:
 
 def train_model(options: TrainOptions) -> dict:
     """Train one scheme on the corpus and write a Hub-ready folder. Returns the run summary."""
-    out = Path(options.output_dir)
+    out = output_folder(options.output_dir)
     recorded_scheme = options.resume and options.given is not None and "position_encoding" not in options.given
     if not recorded_scheme:  # else checked once the checkpoint's scheme is read
         _check_mem_len(options)
