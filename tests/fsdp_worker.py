@@ -8,7 +8,8 @@ whole global batch of 4 rows in this process, with no collective; the sharded mo
 global mean loss and FSDP2's averaging reduce-scatter gives its gradient. Written per rank to
 ``OUT/<scenario>-rank<r>.json``: the loss (local, and averaged over ranks), the largest gradient difference of
 every parameter (``full_tensor()`` of its shard against the reference's gradient), and after one optimizer
-step the largest difference of every updated parameter.
+step the largest difference of every updated parameter; before training, the largest difference of the logits
+of the rank's rows in inference.
 
 A scenario named ``<scheme>:swapped`` is a control: rank 1 reads rank 0's rows instead of its own, so the
 sharded gradients are those of rows 0-1 alone; the test must see them differ from the reference.
@@ -80,6 +81,21 @@ def loss_of(model, name: str, inputs: dict):
     return (first.loss + second.loss) / 2, [first.mems, second.mems]
 
 
+@torch.no_grad()
+def eval_logits(model, name: str, inputs: dict) -> torch.Tensor:
+    """Inference (eval mode, no gradients): the logits; Transformer-XL: the second segment's, read with the
+    first one's memory (and its kept projections of the distances)."""
+    model.eval()
+    try:
+        if name != "transformer_xl":
+            return model(**inputs).logits
+        ids = inputs["input_ids"]
+        first = model(input_ids=ids[:, :SEG])
+        return model(input_ids=ids[:, SEG:], mems=first.mems).logits
+    finally:
+        model.train()
+
+
 def shard(model):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -106,6 +122,9 @@ def scenario(label: str) -> dict:
     per_rank = ROWS // world
     own = 0 if control == "swapped" else rank
     rows = slice(own * per_rank, (own + 1) * per_rank)
+
+    eval_diff = (eval_logits(sharded, name, batch(name, rows)) - eval_logits(reference, name, batch(name, rows)))
+    eval_diff = eval_diff.abs().max().item()
 
     ref_loss, ref_mems = loss_of(reference, name, batch(name, slice(None)))
     ref_loss.backward()
@@ -154,6 +173,7 @@ def scenario(label: str) -> dict:
         "mems_diff": mems_diff,
         "mems_shapes": mems_shapes,
         "missing_grads": missing,
+        "eval_logits_diff": eval_diff,
         "reference_loss": ref_loss.item(),
         "local_loss": loss.item(),
         "mean_loss": mean_loss.item(),

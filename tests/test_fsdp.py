@@ -100,6 +100,7 @@ def test_fsdp2_matches_single_process(fsdp, name):
         assert r["largest_local_numel"] * 2 == r["largest_numel"], (r["largest_local_numel"], r["largest_numel"])
         assert r["tied"], "the token table and the output layer are no longer one parameter"
         assert not r["missing_grads"], f"no gradient under FSDP2 for {r['missing_grads']}"
+        assert r["eval_logits_diff"] <= ATOL, f"rank {r['rank']}: inference logits off by {r['eval_logits_diff']:.3g}"
         assert abs(r["mean_loss"] - r["reference_loss"]) <= ATOL, (r["mean_loss"], r["reference_loss"])
         worst = max(r["grad_diff"], key=r["grad_diff"].get)
         assert r["grad_diff"][worst] <= ATOL, f"rank {r['rank']}: {worst}'s gradient off by {r['grad_diff'][worst]:.3g}"
