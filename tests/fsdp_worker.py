@@ -11,7 +11,8 @@ every parameter (``full_tensor()`` of its shard against the reference's gradient
 step the largest difference of every updated parameter; before training, the largest difference of the logits
 of the rank's rows in inference.
 
-A scenario named ``<scheme>:swapped`` is a control: rank 1 reads rank 0's rows instead of its own, so the
+``<scheme>:checkpointing``: the sharded model also recomputes each layer's activations in the backward (the
+reference does not). ``<scheme>:swapped`` is a control: rank 1 reads rank 0's rows instead of its own, so the
 sharded gradients are those of rows 0-1 alone; the test must see them differ from the reference.
 """
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hf_relpos import RelPosConfig, RelPosForCausalLM, RelPosForConditionalGeneration
+from tiny import enable_checkpointing, is_checkpointing  # tests/ is this script's folder
 
 VOCAB = 61
 ROWS = 4  # the global batch; 2 per rank
@@ -118,6 +120,8 @@ def scenario(label: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference = build(name)
     sharded = copy.deepcopy(reference)
+    if control == "checkpointing":  # each layer's activations recomputed in the backward (accelerate's FSDP option)
+        enable_checkpointing(sharded, use_reentrant=False)
     layers = shard(sharded)
     per_rank = ROWS // world
     own = 0 if control == "swapped" else rank
@@ -164,6 +168,7 @@ def scenario(label: str) -> dict:
         "rank": rank,
         "world": world,
         "sharded_layers": layers,
+        "checkpointing": bool(is_checkpointing(sharded)),
         "dtensor_params": sum(type(p).__name__ == "DTensor" for p in sharded.parameters()),
         "params": len(ref_params),
         # the largest parameter: this rank holds a shard of it, not all of it
