@@ -833,10 +833,13 @@ class RelPosModel(RelPosPreTrainedModel):
         """The cache's kind, the attention implementation, and a cache under activation checkpointing."""
         if isinstance(cache, EncoderDecoderCache) and not (self.config.is_encoder_decoder and self.config.is_decoder):
             raise ValueError("an EncoderDecoderCache is for an encoder-decoder's decoder; this stack has no cross-attention")
-        impl = _attn_implementation(self.config)
+        impl = self.config._attn_implementation or "eager"
+        if isinstance(cache, PagedAttentionCache):  # continuous batching's paged|eager: our eager path
+            impl = _attn_implementation(self.config)
         if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation must be one of {list(SUPPORTED_ATTN_IMPLEMENTATIONS)} for hf_relpos, got {impl!r}"
+                + (" (continuous batching's, for its steps with a PagedAttentionCache)" if impl == "paged|eager" else "")
             )
         if cache is not None and self._checkpointing():
             # A checkpointed layer runs twice (forward, then again in backward): a cache would take its keys twice.
