@@ -83,9 +83,9 @@ MODEL_KWARGS = frozenset(TransformersKwargs.__optional_keys__ | TransformersKwar
 TOKEN_LOSS_KWARGS = frozenset({"num_items_in_batch", "ignore_index"})  # ForMaskedLMLoss (the encoder-decoder)
 CAUSAL_LOSS_KWARGS = TOKEN_LOSS_KWARGS | {"shift_labels"}  # ForCausalLMLoss
 # Continuous batching's step arguments (`PagedAttentionArgs`) beyond the model keyword arguments: the paged cache's
-# indices (taken with a PagedAttentionCache only) and the rows whose logits the step reads (the causal LM head's).
+# indices, taken with a PagedAttentionCache only (its `logits_indices` and `logits_processor_args` are the causal LM
+# head's).
 PAGED_KWARGS = frozenset({"read_index", "write_index", "block_table"})
-PAGED_HEAD_KWARGS = frozenset({"logits_indices", "logits_processor_args"})
 
 
 def continuous_batching_refusal(config) -> Optional[str]:
