@@ -222,3 +222,35 @@ def test_functional_relative_position_equals_the_band():
     band = F.transformer_xl_attention(q[:, :, :Q], k, v, r, u, w, is_causal=True)
     explicit = F.transformer_xl_attention(q[:, :, :Q], k, v, r, u, w, is_causal=True, relative_position=relative)
     torch.testing.assert_close(band, explicit, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scheme", ["learned", "sinusoidal"])
+def test_request_past_the_position_table_is_refused_alone(scheme):
+    """A request whose prompt, or prompt and answer, runs past an absolute position table is refused where it is
+    added, in one line naming max_position_embeddings; the manager goes on and the other requests get generate's
+    tokens (the step's forward would raise in the manager's thread, which fails every request and stops)."""
+    model = build(scheme, impl="sdpa")  # max_position_embeddings=64
+    fits, long_prompt, long_answer = [3, 4, 5], list(range(2, 60)) + [7] * 12, list(range(2, 60))
+    config = GenerationConfig(do_sample=False, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"inputs\[1\]: a prompt of 70 tokens .*max_position_embeddings=64") as error:
+        model.generate_batch(inputs=[fits, long_prompt], generation_config=config)
+    assert "\n" not in str(error.value)
+    cb = ContinuousBatchingConfig(**CB_CONFIG)
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb, warmup=False
+    ) as manager:
+        for prompt, n in ((long_prompt, 1), (long_answer, 8)):
+            with pytest.raises(ValueError, match=rf"max_new_tokens={n} needs position \d+, past max_position_embeddings"):
+                manager.add_request(prompt, max_new_tokens=n)
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in ((fits, 4), (long_answer, 7))]  # 58 + 7 fits
+        results = {}
+        deadline = time.monotonic() + 60
+        while len(results) < len(ids) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+        assert manager.is_running()
+    for request_id, (prompt, n) in zip(ids, ((fits, 4), (long_answer, 7))):
+        assert results[request_id].error is None, results[request_id].error
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :]
+        assert results[request_id].generated_tokens == expected.tolist()
