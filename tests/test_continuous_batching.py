@@ -358,3 +358,26 @@ def test_functional_relative_position_equals_the_paper_formulas():
     for bad, error in ((rel.double(), TypeError), (rel.bool(), TypeError), (rel[:, :-1], ValueError), (rel.tolist(), TypeError)):
         with pytest.raises(error, match="relative_position must be"):
             F.alibi_bias(slopes, Q, K, relative_position=bad)
+
+
+def test_empty_prompt_is_refused_alone():
+    """An empty prompt is refused where it is added (its step had no row to read a token from: the manager's thread
+    raised and failed every request); the other requests get generate's tokens."""
+    model = build("t5_bias", impl="sdpa")
+    config = GenerationConfig(do_sample=False, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"inputs\[0\]: input_ids is an empty prompt") as error:
+        model.generate_batch(inputs=[[], [3, 4]], generation_config=config)
+    assert "\n" not in str(error.value)
+    cb = ContinuousBatchingConfig(**CB_CONFIG)
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb, warmup=False
+    ) as manager:
+        with pytest.raises(ValueError, match=r"input_ids is an empty prompt"):
+            manager.add_request([], max_new_tokens=3)
+        request_id = manager.add_request([3, 4], max_new_tokens=3)
+        result, deadline = None, time.monotonic() + 60
+        while (result is None or not result.is_finished()) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+    assert result is not None and result.error is None, result
+    assert result.request_id == request_id
+    assert result.generated_tokens == model.generate(torch.tensor([[3, 4]]), max_new_tokens=3, do_sample=False)[0, 2:].tolist()
