@@ -259,8 +259,6 @@ def test_request_past_the_position_table_is_refused_alone(scheme):
 
 def _t5_bucket(d: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
     """T5's bucket of the distance ``d = j - i`` (Raffel et al. 2020, as in Mesh TensorFlow), on Python ints."""
-    import math
-
     bucket = 0
     if bidirectional:
         num_buckets //= 2
