@@ -271,6 +271,26 @@ def test_chat_completions_with_a_template_and_a_clear_4xx_without(servers, refer
     assert status == 400 and answer["error"]["param"] == "messages"
 
 
+def test_continuous_batching_answers_sixteen_concurrent_clients_as_generate(folders, references, tmp_path):
+    """--continuous-batching: Transformers' paged-cache manager runs the requests packed together; each answer (plain
+    and streamed) is still the one greedy generate gives that prompt alone."""
+    server = Server(folders["decoder"], tmp_path, "--continuous-batching", "--cb-block-size", "16",
+                    "--cb-num-blocks", "64").wait()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda p: completion(server, p, max_tokens=6), PROMPTS))
+        for prompt, (status, answer) in zip(PROMPTS, answers):
+            assert status == 200, answer
+            assert answer["choices"][0]["text"] == references("decoder", prompt, max_new_tokens=6)[0], prompt
+        status, sse = completion(server, PROMPTS[1], max_tokens=6, stream=True)
+        chunks = [json.loads(line[len("data: "):]) for line in sse.splitlines() if line.startswith("data: {")]
+        streamed, expected = "".join(c["choices"][0]["text"] for c in chunks), references("decoder", PROMPTS[1], 6)[0]
+        assert status == 200 and expected.startswith(streamed) and set(expected[len(streamed):]) <= {"\ufffd"}
+        assert request(server, "/health") == (200, {"status": "ok"})
+    finally:
+        assert server.stop() == 0, server.err.read_text()[-2000:]
+
+
 def test_sigint_stops_the_server_cleanly(servers):
     """Last in the file: it stops the module's servers. Exit 0, the port free again, no traceback."""
     for server in servers.values():

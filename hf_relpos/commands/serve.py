@@ -68,6 +68,7 @@ def _bind(host: str, port: int) -> socket.socket:
         if error.errno == errno.EADDRNOTAVAIL:
             raise UserError(f"--host {host!r} is not an address of this machine") from None
         raise UserError(f"cannot listen on {host}:{port} ({error.strerror or one_line(error)})") from None
+    sock.listen(2048)  # clients that connect before uvicorn accepts (right after the printed line) wait, not fail
     return sock
 
 
