@@ -176,6 +176,23 @@ def _relative_distance(query_length: int, key_length: int, past_length: int, dev
     return j - i
 
 
+def _distances(query_length: int, key_length: int, past_length, device, relative_position) -> torch.Tensor:
+    """[Q, K]: ``relative_position`` when given (explicit positions: requests packed in one row of a paged cache,
+    each key at its own request's position), else the band ``j - (past_length + i)``."""
+    if relative_position is None:
+        return _relative_distance(query_length, key_length, past_length, device)
+    if not isinstance(relative_position, torch.Tensor) or relative_position.is_floating_point() or (
+        relative_position.dtype == torch.bool
+    ):
+        raise TypeError(f"relative_position must be an integer torch.Tensor [q_len, k_len], got {relative_position!r:.60}")
+    if tuple(relative_position.shape) != (query_length, key_length):
+        raise ValueError(
+            f"relative_position must be [q_len={query_length}, k_len={key_length}] (key position minus query "
+            f"position), got shape {tuple(relative_position.shape)}"
+        )
+    return relative_position.to(device)
+
+
 # ----------------------------------------------------------------------------------
 # Attention with a learned additive bias: fused forward, chunked backward
 # ----------------------------------------------------------------------------------
@@ -309,6 +326,7 @@ def t5_position_bias(
     bidirectional: bool = True,
     max_distance: int = 128,
     past_length: int = 0,
+    relative_position: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """T5's additive bias ``B[h, i, j] = weight[bucket(j - (past_length + i)), h]``.
 
@@ -319,6 +337,8 @@ def t5_position_bias(
         weight: ``[num_buckets, H]``, the table (T5's ``nn.Embedding.weight``).
         query_length, key_length: ``Q``, ``K``.
         bidirectional, max_distance: T5's configuration; past_length: the queries' offset.
+        relative_position: ``[Q, K]`` integer, key position minus query position for each pair, in place of
+            ``j - (past_length + i)`` (explicit positions: packed requests of a paged cache).
 
     Returns:
         ``[1, H, Q, K]`` in ``weight``'s dtype.
@@ -333,9 +353,9 @@ def t5_position_bias(
     # The bias depends on j - (past + i) only: bucket each of the Q + K - 1 distances once (the same
     # function, so the same buckets as upstream), then spread the per-distance values over [Q, K].
     device = weight.device
-    if isinstance(past_length, torch.Tensor):  # traced decoding: the distances' range is not known on the host
+    if isinstance(past_length, torch.Tensor) or relative_position is not None:  # distances not a known band
         buckets = t5_relative_position_bucket(
-            _relative_distance(query_length, key_length, past_length, device),
+            _distances(query_length, key_length, past_length, device, relative_position),
             bidirectional=bidirectional, num_buckets=weight.shape[0], max_distance=max_distance,
         )
         return F.embedding(buckets, weight).permute(2, 0, 1).unsqueeze(0)
@@ -458,6 +478,7 @@ def shaw_attention(
     past_length: int = 0,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    relative_position: Optional[torch.Tensor] = None,
 ):
     """Self-attention with relative position representations (Shaw et al. 2018, eqs. 3-5).
 
@@ -470,6 +491,8 @@ def shaw_attention(
         rel_k: ``[2k+1, D]``; rel_v: ``[2k+1, D_v]`` or None (keys only); shared by all heads.
         max_relative_position: ``k``; past_length: the queries' offset; dropout_p: on ``a``.
         need_weights: also return ``a``.
+        relative_position: ``[Q, K]`` integer, key minus query position, in place of ``j - (past_length + i)``
+            (explicit positions: packed requests of a paged cache); ``is_causal`` then masks keys after the query.
 
     Returns:
         ``z`` ``[B, H, Q, D_v]``; with ``need_weights``, ``(z, a)`` with ``a`` ``[B, H, Q, K]`` (after
@@ -506,11 +529,14 @@ def shaw_attention(
     K = k.shape[2]
     _check_mask(attention_mask, (B, H, Q, K))
 
-    if not need_weights and shaw_banded_applies(q, k, v, max_relative_position, attention_mask, past_length, dropout_p):
+    if relative_position is None and not need_weights and shaw_banded_applies(
+        q, k, v, max_relative_position, attention_mask, past_length, dropout_p
+    ):
         return shaw_banded(q, k, v, rel_k, rel_v, max_relative_position=max_relative_position,
                            attention_mask=attention_mask, is_causal=is_causal)
 
-    rel_index = _relative_distance(Q, K, past_length, q.device)
+    rel_index = _distances(Q, K, past_length, q.device, relative_position)
+    after = rel_index > 0  # keys after the query
     rel_index = rel_index.clamp(-max_relative_position, max_relative_position) + max_relative_position
     rel_index = rel_index.expand(B, H, Q, K)
 
@@ -518,7 +544,9 @@ def shaw_attention(
     scores = scores + torch.gather(q @ rel_k.transpose(0, 1).to(q.dtype), -1, rel_index)
     scores = scores * (1.0 / math.sqrt(D))
 
-    causal = _causal_pattern(Q, K, past_length, q.device) if is_causal else None
+    causal = None
+    if is_causal:
+        causal = _causal_pattern(Q, K, past_length, q.device) if relative_position is None else ~after
     probs = _masked_softmax(scores, _additive_mask(attention_mask, causal))
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
@@ -549,6 +577,7 @@ def transformer_xl_attention(
     is_causal: bool = True,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    relative_position: Optional[torch.Tensor] = None,
 ):
     """Transformer-XL relative attention (Dai et al. 2019, sec. 3.3).
 
@@ -563,6 +592,9 @@ def transformer_xl_attention(
             descending: ``R >= K`` causal, ``R >= K + Q - 1`` otherwise.
         u, w: ``[H, D]``, the paper's ``u`` and ``v``.
         dropout_p: on the probabilities; need_weights: also return them.
+        relative_position: ``[Q, K]`` integer, key minus query position, in place of ``j - (M+i)``
+            (explicit positions: packed requests of a paged cache); causal only: ``r`` covers ``d = R-1 .. 0``,
+            the distances ``d = -relative_position`` are clipped to it and keys after the query are masked.
 
     Returns:
         ``z`` ``[B, H, Q, D]``; with ``need_weights``, ``(z, a)`` with ``a`` ``[B, H, Q, K]`` (after
@@ -579,13 +611,17 @@ def transformer_xl_attention(
     dropout_p = _check_dropout(dropout_p)
     B, H, Q, D = q.shape
     K = k.shape[2]
-    if K < Q:
+    if K < Q and relative_position is None:
         raise ValueError(f"k must have at least as many positions as q (memory + current), got K={K} < Q={Q}")
     _check_tensor("r", r, 3, "[heads, R, head_dim]")
     if r.shape[0] != H or r.shape[2] != D:
         raise ValueError(f"r must have shape [heads={H}, R, head_dim={D}], got {tuple(r.shape)}")
     R = r.shape[1]
     need = K if is_causal else K + Q - 1
+    if relative_position is not None:
+        if not is_causal:
+            raise ValueError("relative_position is for causal attention (is_causal=True): r covers distances >= 0")
+        need = 1
     if R < need:
         what = "K (distances K-1 .. 0)" if is_causal else "K + Q - 1 (distances K-1 .. -(Q-1), is_causal=False)"
         raise ValueError(f"r must cover R >= {what} = {need} relative positions, got R={R}")
@@ -598,13 +634,20 @@ def transformer_xl_attention(
     if (Q == 0 or B * H == 0) and not need_weights:  # nothing to attend (the fused CPU kernel divides by the head count)
         return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * sum(t.sum() for t in (q, k, v, r, u, w))
     scale = 1.0 / math.sqrt(D)
-    if dropout_p == 0.0 and not need_weights and txl_chunked_applies():
+    if relative_position is None and dropout_p == 0.0 and not need_weights and txl_chunked_applies():
         return txl_chunked(q, k, v, r, u, w, attention_mask=attention_mask, is_causal=is_causal)
-    M = K - Q
-    causal = _causal_pattern(Q, K, M, q.device) if is_causal else None
     content = (q + u[:, None, :].to(q.dtype)) @ k.transpose(-1, -2)  # terms (a) + (c)
     position = (q + w[:, None, :].to(q.dtype)) @ r.to(q.dtype).transpose(-1, -2)  # terms (b) + (d)
-    probs = _masked_softmax((content + _rel_shift(position, K)) * scale, _additive_mask(attention_mask, causal))
+    if relative_position is None:
+        M = K - Q
+        causal = _causal_pattern(Q, K, M, q.device) if is_causal else None
+        position = _rel_shift(position, K)
+    else:  # r's column R-1-d holds distance d: read each pair's own distance
+        distance = -_distances(Q, K, 0, q.device, relative_position)
+        causal = distance >= 0
+        column = (R - 1 - distance.clamp(0, R - 1)).expand(B, H, Q, K)
+        position = torch.gather(position, -1, column)
+    probs = _masked_softmax((content + position) * scale, _additive_mask(attention_mask, causal))
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     probs = probs.to(v.dtype)
@@ -653,8 +696,10 @@ def log_decay_bias(
     past_length: int = 0,
     device: Optional[torch.device] = None,
     dtype: Optional[torch.dtype] = None,
+    relative_position: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The parameter-free bias ``B_ij = -scale · ln(1 + |j - (past_length + i)|)``.
+    """The parameter-free bias ``B_ij = -scale · ln(1 + |j - (past_length + i)|)`` (or ``|relative_position|``:
+    ``[Q, K]`` integer key minus query positions, for explicit positions).
 
     Returns:
         ``[Q, K]`` in ``dtype`` (default: torch's default dtype).
@@ -668,7 +713,7 @@ def log_decay_bias(
         raise ValueError(f"scale must be a finite number >= 0, got {scale!r}")
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
-    distance = _relative_distance(query_length, key_length, past_length, device).abs()
+    distance = _distances(query_length, key_length, past_length, device, relative_position).abs()
     dtype = dtype or torch.get_default_dtype()
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     # A scale beyond the compute dtype's range would be -inf there, and -inf * ln(1 + 0) NaN on the diagonal:
@@ -706,11 +751,15 @@ def alibi_slopes(
     return torch.tensor(slopes, device=device, dtype=dtype or torch.get_default_dtype())
 
 
-def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0) -> torch.Tensor:
+def alibi_bias(
+    slopes: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0,
+    relative_position: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """ALiBi's bias ``B[h, i, j] = -m_h · |j - (past_length + i)|``.
 
     Args:
         slopes: ``[H]`` (:func:`alibi_slopes`).
+        relative_position: ``[Q, K]`` integer key minus query positions in place of ``j - (past_length + i)``.
 
     Returns:
         ``[1, H, Q, K]``.
@@ -721,7 +770,7 @@ def alibi_bias(slopes: torch.Tensor, query_length: int, key_length: int, *, past
     query_length = _check_int("query_length", query_length)
     key_length = _check_int("key_length", key_length)
     past_length = _check_offset("past_length", past_length)
-    distance = _relative_distance(query_length, key_length, past_length, slopes.device).abs()
+    distance = _distances(query_length, key_length, past_length, slopes.device, relative_position).abs()
     compute = torch.float64 if slopes.dtype == torch.float64 else torch.float32
     bias = -slopes.to(compute)[:, None, None] * distance.to(compute) + 0.0
     return bias.to(slopes.dtype).unsqueeze(0)
@@ -811,7 +860,8 @@ def causal_key_bias_attention(
 
 
 def kerple_log_bias(
-    r1: torch.Tensor, r2: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0
+    r1: torch.Tensor, r2: torch.Tensor, query_length: int, key_length: int, *, past_length: int = 0,
+    relative_position: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """KERPLE's logarithmic kernel ``B[h, i, j] = -r1_h · ln(1 + r2_h · |j - (past_length + i)|)``.
 
@@ -820,6 +870,7 @@ def kerple_log_bias(
 
     Args:
         r1, r2: ``[H]``, positive.
+        relative_position: ``[Q, K]`` integer key minus query positions in place of ``j - (past_length + i)``.
 
     Returns:
         ``[1, H, Q, K]``.
@@ -837,7 +888,7 @@ def kerple_log_bias(
         for name, value in (("r1", r1), ("r2", r2)):
             if not bool((value > 0).all()):
                 raise ValueError(f"{name} must be positive (KERPLE's r1, r2 > 0), got {value.detach().tolist()}")
-    distance = _relative_distance(query_length, key_length, past_length, r1.device).abs()
+    distance = _distances(query_length, key_length, past_length, r1.device, relative_position).abs()
     compute = torch.float64 if r1.dtype == torch.float64 else torch.float32
     bias = -r1.to(compute)[:, None, None] * torch.log1p(r2.to(compute)[:, None, None] * distance.to(compute)) + 0.0
     return bias.to(r1.dtype).unsqueeze(0)
@@ -856,6 +907,7 @@ def fire_bias(
     past_length: int = 0,
     positions: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
+    relative_position: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """FIRE (Li et al. 2024, its bias with a learned threshold): ``B[h, i, j] = f(ψ(i' - j) / ψ(max(L, p_i)))_h``.
 
@@ -870,6 +922,8 @@ def fire_bias(
         w1, b1, w2, b2: an ``nn.Linear`` pair's weights, ``[width, 1]``, ``[width]``, ``[H, width]``, ``[H]``.
         c, threshold: 0-d.
         positions: ``[B|1, Q]``, the ``p_i`` (default ``i'``).
+        relative_position: ``[Q, K]`` integer ``j - i'`` for each pair (explicit positions: packed requests of a
+            paged cache), in place of ``j - (past_length + i)``.
 
     Returns:
         ``[B|1, H, Q, K]``.
@@ -906,7 +960,7 @@ def fire_bias(
         return torch.log1p((c * x).abs())
 
     normaliser = psi(torch.maximum(positions.to(compute), threshold)) + eps  # [B|1, Q]
-    distance = _relative_distance(query_length, key_length, past_length, device).to(compute)
+    distance = _distances(query_length, key_length, past_length, device, relative_position).to(compute)
     x = psi(distance) / normaliser[:, :, None]  # [B|1, Q, K]: |i' - j| through ψ's absolute value
     weights = [t.to(compute) for t in (w1, b1, w2, b2)]
     if fire_mlp_applies():

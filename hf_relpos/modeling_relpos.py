@@ -31,6 +31,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.generation import GenerationMixin
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -81,6 +82,28 @@ CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__
 MODEL_KWARGS = frozenset(TransformersKwargs.__optional_keys__ | TransformersKwargs.__required_keys__) | {"token_type_ids"}
 TOKEN_LOSS_KWARGS = frozenset({"num_items_in_batch", "ignore_index"})  # ForMaskedLMLoss (the encoder-decoder)
 CAUSAL_LOSS_KWARGS = TOKEN_LOSS_KWARGS | {"shift_labels"}  # ForCausalLMLoss
+# Continuous batching's step arguments (`PagedAttentionArgs`) beyond the model keyword arguments: the paged cache's
+# indices (taken with a PagedAttentionCache only) and the rows whose logits the step reads (the causal LM head's).
+PAGED_KWARGS = frozenset({"read_index", "write_index", "block_table"})
+PAGED_HEAD_KWARGS = frozenset({"logits_indices", "logits_processor_args"})
+
+
+def continuous_batching_refusal(config) -> Optional[str]:
+    """Why a model of ``config`` cannot take part in continuous batching (None when it can)."""
+    if config.is_encoder_decoder:
+        return (
+            "is_encoder_decoder=True: continuous batching packs decoder-only requests in one row of a paged cache, "
+            "and an encoder-decoder's source and cross-attention have no place there; use generate"
+        )
+    if not config.is_decoder:
+        return "is_decoder=False: a bidirectional model does not decode token by token; continuous batching is causal"
+    if config.position_encoding == "transformer_xl" and config.mem_len > 0:
+        return (
+            f"position_encoding='transformer_xl' with mem_len={config.mem_len}: Transformer-XL's memory (the hidden "
+            "states of the previous segment) has no place in a paged cache of keys and values; use generate, or a "
+            "model with mem_len=0"
+        )
+    return None
 
 
 def _refuse_unknown_kwargs(owner: str, kwargs: dict, allowed: frozenset) -> None:
@@ -97,7 +120,7 @@ def _refuse_unknown_kwargs(owner: str, kwargs: dict, allowed: frozenset) -> None
 def _split_loss_kwargs(owner: str, kwargs: dict, loss: frozenset) -> dict:
     """Check a head's keyword arguments (model ones and ``loss``'s) and take the loss-only ones out of ``kwargs``;
     returns what the loss gets (``num_items_in_batch`` stays in ``kwargs`` too: it is also a model argument)."""
-    _refuse_unknown_kwargs(owner, kwargs, MODEL_KWARGS | loss)
+    _refuse_unknown_kwargs(owner, kwargs, MODEL_KWARGS | PAGED_KWARGS | loss)  # the model checks the paged ones
     return {name: kwargs.pop(name) if name not in MODEL_KWARGS else kwargs[name] for name in loss if name in kwargs}
 
 
@@ -237,7 +260,9 @@ class RelPosAttention(nn.Module):
         key = self.k_proj(kv_input).view(shape).transpose(1, 2)
         value = self.v_proj(kv_input).view(shape).transpose(1, 2)
         query, key = scheme.rotate(query, key, term, ctx)
-        if cache is not None:
+        if ctx.paged is not None:  # a paged cache updates kwargs in place (this layer's cu_seq_lens_k): a copy each
+            key, value = cache.update(key, value, self.layer_idx, dict(ctx.paged))
+        elif cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         out, weights = scheme.attend(self, query, key, value, term, ctx)
         return self.o_proj(out.reshape(batch, length, -1)), weights
@@ -751,10 +776,19 @@ class RelPosModel(RelPosPreTrainedModel):
     ) -> None:
         """Every check of ``forward``'s arguments, in the order they are read; a host read of a tensor's values
         runs in eager calls only (``torch.compiler.is_compiling()``), so a traced graph keeps none."""
-        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS)
-        self._check_model_kwargs(kwargs)
+        _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS | PAGED_KWARGS)
+        paged = isinstance(cache, PagedAttentionCache)
+        self._check_model_kwargs(kwargs, paged)
         self._check_setup(cache)
         batch, length = self._check_tokens(input_ids, inputs_embeds)
+        if paged:
+            self._check_paged(cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, batch, length)
+            return
+        given = sorted(PAGED_KWARGS & {name for name, value in kwargs.items() if value is not None})
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: continuous batching's paged-cache arguments need its PagedAttentionCache as cache"
+            )
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         past = self._check_cache(self_cache, batch, length)
         mem_length = self._check_mems(mems, self_cache, past, batch)
@@ -768,11 +802,12 @@ class RelPosModel(RelPosPreTrainedModel):
         self._check_encoder(encoder_hidden_states, encoder_attention_mask, batch)
         self._check_packing(kwargs, attention_mask, self_cache, batch, length, mem_length)
 
-    def _check_model_kwargs(self, kwargs: dict) -> None:
+    def _check_model_kwargs(self, kwargs: dict, paged: bool = False) -> None:
         """Transformers' model keyword arguments that these models cannot honour in every value: refused when
-        they ask for something else than what the model does, never dropped."""
+        they ask for something else than what the model does, never dropped. (Continuous batching passes
+        ``is_causal=False`` with its own mask, and ``cu_seq_lens_k`` per layer type: ``_check_paged`` checks them.)"""
         is_causal = kwargs.get("is_causal")
-        if is_causal is not None and bool(is_causal) != bool(self.config.is_decoder):
+        if is_causal is not None and not paged and bool(is_causal) != bool(self.config.is_decoder):
             raise ValueError(
                 f"is_causal={is_causal!r}: this model's attention is {'causal' if self.config.is_decoder else 'bidirectional'}"
                 f" (config.is_decoder={self.config.is_decoder}); build the model with the other is_decoder instead"
@@ -786,6 +821,8 @@ class RelPosModel(RelPosPreTrainedModel):
         if kwargs.get("output_router_logits"):
             raise ValueError("output_router_logits=True: hf_relpos models have no mixture-of-experts router")
         q, k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if paged:
+            return
         if k is not None and not torch.compiler.is_compiling() and (q is None or not torch.equal(q.cpu(), k.cpu())):
             raise ValueError(
                 "cu_seq_lens_k must equal cu_seq_lens_q (packed sequences whose keys are their own tokens), got "
@@ -797,9 +834,12 @@ class RelPosModel(RelPosPreTrainedModel):
         if isinstance(cache, EncoderDecoderCache) and not (self.config.is_encoder_decoder and self.config.is_decoder):
             raise ValueError("an EncoderDecoderCache is for an encoder-decoder's decoder; this stack has no cross-attention")
         impl = self.config._attn_implementation or "eager"
+        if isinstance(cache, PagedAttentionCache):  # continuous batching's paged|eager: our eager path
+            impl = _attn_implementation(self.config)
         if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation must be one of {list(SUPPORTED_ATTN_IMPLEMENTATIONS)} for hf_relpos, got {impl!r}"
+                + (" (continuous batching's, for its steps with a PagedAttentionCache)" if impl == "paged|eager" else "")
             )
         if cache is not None and self._checkpointing():
             # A checkpointed layer runs twice (forward, then again in backward): a cache would take its keys twice.
@@ -966,6 +1006,65 @@ class RelPosModel(RelPosPreTrainedModel):
                 f"got shape {tuple(encoder_attention_mask.shape)}"
             )
 
+    def _check_paged(self, cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, batch, length):
+        """One continuous-batching step (``PagedAttentionArgs``): a config that can take part, requests packed in one
+        row with their own ``position_ids`` and ``cu_seq_lens_q``, and the paged cache's arguments for this
+        model's one group of layers: ``cu_seq_lens_k`` with as many requests, a read and a write index per group,
+        no block table (flash attention's), a 4-D mask (or none) over the step's queries and keys."""
+        refusal = continuous_batching_refusal(self.config)
+        if refusal is not None:
+            raise ValueError(f"a PagedAttentionCache (continuous batching) cannot be used: {refusal}")
+        if mems is not None or encoder_hidden_states is not None:
+            raise ValueError("a PagedAttentionCache (continuous batching) takes no mems or encoder_hidden_states")
+        if batch != 1:
+            raise ValueError(f"continuous batching packs its requests in one row: batch must be 1, got {batch}")
+        if position_ids is None or tuple(position_ids.shape) != (1, length) or position_ids.is_floating_point():
+            got = None if position_ids is None else f"{tuple(position_ids.shape)} {position_ids.dtype}"
+            raise ValueError(
+                f"a PagedAttentionCache needs each token's position in its request: position_ids [1, {length}] of "
+                f"integers, got {got}"
+            )
+        allocators = {cache.layer_to_allocator[i] for i in range(self.config.num_hidden_layers)}
+        if len(allocators) != 1:
+            raise ValueError(f"the PagedAttentionCache gives this model's layers {len(allocators)} groups; they are one")
+        allocator = allocators.pop()
+        groups = len(cache.cache_allocators)
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if isinstance(cu_k, dict):
+            cu_k = cu_k.get(allocator.layer_type)
+        read, write = kwargs.get("read_index"), kwargs.get("write_index")
+        if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor) or cu_q.dim() != 1 or (
+            cu_k.shape != cu_q.shape or cu_q.numel() < 2
+        ):
+            raise ValueError(
+                "a PagedAttentionCache needs cu_seq_lens_q and cu_seq_lens_k (by layer type "
+                f"{allocator.layer_type!r}) as 1-D cumulative lengths of the same requests, got "
+                f"{cu_q!r:.80} and {cu_k!r:.80}"
+            )
+        if not all(isinstance(x, (list, tuple)) and len(x) == groups for x in (read, write)):
+            raise ValueError(f"read_index and write_index must be lists of {groups} index tensors (one per cache group)")
+        if kwargs.get("block_table") is not None:
+            raise ValueError("block_table is flash attention's paged path; hf_relpos attends with eager or sdpa")
+        key_length = read[allocator.index].numel() or length  # no past read: the keys are the step's own
+        if not torch.compiler.is_compiling():
+            q_lens, k_lens = cu_q.diff(), cu_k.diff()
+            if int(cu_q[0]) != 0 or int(cu_k[0]) != 0 or bool((q_lens < 0).any()) or bool((k_lens < q_lens).any()) or (
+                int(cu_q[-1]) > length or int(cu_k[-1]) > key_length
+            ):
+                raise ValueError(
+                    f"cu_seq_lens_q {cu_q.tolist()} and cu_seq_lens_k {cu_k.tolist()} must be cumulative lengths from 0 "
+                    f"within the step's {length} tokens and {key_length} keys, each request with at least its new "
+                    "tokens as keys"
+                )
+        masks = attention_mask.values() if isinstance(attention_mask, dict) else [attention_mask]
+        for mask in masks:
+            if mask is not None and (mask.dim() != 4 or tuple(mask.shape[-2:]) != (length, key_length)):
+                raise ValueError(
+                    f"continuous batching's attention_mask must be [1, 1, {length}, {key_length}] (the step's queries "
+                    f"and keys), got shape {tuple(mask.shape)}"
+                )
+        return cu_q, cu_k, key_length
+
     def _check_packing(self, kwargs, attention_mask, cache, batch: int, length: int, mem_length: int) -> None:
         """``cu_seq_lens_q`` / ``seq_idx`` (packed sequences) describe this row's documents, in a forward with
         nothing else to go by."""
@@ -1037,11 +1136,22 @@ class RelPosModel(RelPosPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         output_attentions = kwargs.get("output_attentions")
-        ctx = PositionContext.from_inputs(
-            config, self.position, inputs_embeds, attention_mask, position_ids, self_cache, mems, kwargs,
-            attn_implementation=config._attn_implementation or "eager",
-            output_attentions=bool(config.output_attentions if output_attentions is None else output_attentions),
-        )
+        output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
+        if isinstance(self_cache, PagedAttentionCache):  # a continuous-batching step: each request's own positions
+            cu_q, cu_k, key_length = self._check_paged(
+                self_cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, *inputs_embeds.shape[:2]
+            )
+            update = {name: kwargs.get(name) for name in ("read_index", "write_index", "block_table", "max_length_k")}
+            ctx = PositionContext.from_paged(
+                config, self.position, inputs_embeds, position_ids, cu_q, cu_k, key_length,
+                {**update, "cu_seq_lens_k": kwargs["cu_seq_lens_k"]},
+                attn_implementation=_attn_implementation(config), output_attentions=output_attentions,
+            )
+        else:
+            ctx = PositionContext.from_inputs(
+                config, self.position, inputs_embeds, attention_mask, position_ids, self_cache, mems, kwargs,
+                attn_implementation=_attn_implementation(config), output_attentions=output_attentions,
+            )
         encoder_mask = _key_padding_mask(encoder_attention_mask) if cross else None
         hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
         term = self.position(ctx, inputs_embeds.device, hidden_states.dtype)
@@ -1069,6 +1179,12 @@ class RelPosModel(RelPosPreTrainedModel):
         with torch.no_grad():
             states = hidden_states if memory is None else torch.cat([memory, hidden_states], dim=1)
             return states[:, -self.config.mem_len :].detach()
+
+
+def _attn_implementation(config) -> str:
+    """The config's attention implementation; continuous batching's ``paged|eager`` is our eager path (the paged
+    cache is updated by the attention layer itself, for every implementation)."""
+    return (config._attn_implementation or "eager").removeprefix("paged|")
 
 
 def _key_padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -1130,7 +1246,11 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
     ) -> RelPosCausalLMOutput:
         """Transformers' model keyword arguments reach the model, and ``num_items_in_batch``, ``ignore_index`` and
         ``shift_labels`` Transformers' loss; a loss is computed from ``labels`` or ``shift_labels``. The cache is
-        ``cache`` or ``past_key_values`` (its name before Transformers 5.24); any other keyword is a ``TypeError``."""
+        ``cache`` or ``past_key_values`` (its name before Transformers 5.24); any other keyword is a ``TypeError``.
+        Continuous batching's steps also pass ``logits_indices`` (the rows it reads: ``logits_to_keep`` when given)."""
+        logits_indices = kwargs.pop("logits_indices", None)
+        kwargs.pop("logits_processor_args", None)  # read by continuous batching's processors, not the model
+        logits_to_keep = self._check_logits_indices(logits_indices, logits_to_keep, input_ids, inputs_embeds)
         loss_kwargs = _split_loss_kwargs(type(self).__name__, kwargs, CAUSAL_LOSS_KWARGS)
         outputs = self.model(
             input_ids=input_ids,
@@ -1160,6 +1280,35 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
             mems=outputs.mems,
             **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
+
+    @staticmethod
+    def _check_logits_indices(logits_indices, logits_to_keep, input_ids, inputs_embeds):
+        """Check a step's ``logits_indices`` (the rows continuous batching reads): row indices, the same rows as a
+        tensor ``logits_to_keep`` (it passes both when the model takes ``logits_to_keep``, which slices here)."""
+        if logits_indices is None:
+            return logits_to_keep
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if not isinstance(logits_indices, torch.Tensor) or logits_indices.dim() != 1 or logits_indices.is_floating_point():
+            raise ValueError(f"logits_indices must be a 1-D tensor of row indices, got {logits_indices!r:.80}")
+        if not torch.compiler.is_compiling():
+            if logits_indices.numel() and (int(logits_indices.min()) < 0 or int(logits_indices.max()) >= length):
+                raise ValueError(f"logits_indices must index the {length} input rows, got {logits_indices.tolist()}")
+            keep = logits_to_keep
+            if not (isinstance(keep, int) and keep == 0) and not (
+                isinstance(keep, torch.Tensor) and torch.equal(keep.cpu().long(), logits_indices.cpu().long())
+            ):
+                raise ValueError(
+                    f"logits_indices {logits_indices.tolist()} and logits_to_keep {keep!r:.80} name different rows"
+                )
+        return logits_to_keep  # 0: every row, which the caller then indexes by logits_indices itself
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Transformers' continuous batching (``generate_batch`` and ``continuous_batching_context_manager`` start
+        here), refused in one ``ValueError`` for a model that cannot take part (``continuous_batching_refusal``)."""
+        refusal = continuous_batching_refusal(self.config)
+        if refusal is not None:
+            raise ValueError(f"{type(self).__name__} cannot use continuous batching (generate_batch): {refusal}")
+        return super().init_continuous_batching(*args, **kwargs)
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         # Transformers' generate before 5.24 reads an output named `mems` as the cache (XLNet's legacy); our
@@ -1264,6 +1413,13 @@ class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
         self.decoder = RelPosCrossDecoder(config.stack_config(decoder=True), stack=True)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused in one ``ValueError``: continuous batching is for decoder-only models (``generate_batch`` too)."""
+        raise ValueError(
+            f"{type(self).__name__} cannot use continuous batching (generate_batch): "
+            f"{continuous_batching_refusal(self.config)}"
+        )
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
         """Transformers ties ``_tied_weights_keys`` only with ``tie_word_embeddings``; here the stacks' tables

@@ -201,6 +201,12 @@ class PositionContext:
     # ``mask`` as bool ``[B, 1, 1, K]`` when it masks keys alone (padding of a fresh forward), else None:
     # the fused paths (band decomposition, per-key ALiBi) take such a mask without a [Q, K] tensor.
     key_mask: Optional[torch.Tensor] = None
+    # Explicit positions (a continuous-batching step, ``from_paged``): ``[Q, K]`` long, each key's position minus
+    # each query's, which every scheme's term reads instead of the band ``past_length + i``; ``mask`` then holds
+    # causality too. None otherwise.
+    relative_position: Optional[torch.Tensor] = None
+    # The paged cache's keyword arguments for ``cache.update`` (read/write indices, cu_seq_lens_k, ...), or None.
+    paged: Optional[dict] = None
 
     @classmethod
     def from_inputs(
@@ -250,11 +256,56 @@ class PositionContext:
                 ctx.key_mask = attention_mask.bool()[:, None, None, :]
         return ctx
 
+    @classmethod
+    def from_paged(
+        cls, config: RelPosConfig, scheme: "PositionScheme", inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+        cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, key_length: int, paged: dict,
+        attn_implementation: str, output_attentions: bool,
+    ) -> "PositionContext":
+        """The context of one continuous-batching step (checked by the model): requests packed in one row
+        (``cu_seq_lens_q``), each query at its own request's position (``position_ids``), and the ``key_length``
+        keys the paged cache hands back, each request's (past and new, in order) in its ``cu_seq_lens_k`` segment,
+        the last one at its last query's position (a sliding window's cache keeps only the latest). Each pair gets
+        its own distance; keys of another request, later keys and keys beyond ``sliding_window`` are masked."""
+        device = inputs_embeds.device
+        length = inputs_embeds.shape[1]
+        cu_q = cu_seq_lens_q.to(device=device, dtype=torch.long)
+        cu_k = cu_seq_lens_k.to(device=device, dtype=torch.long)
+        positions = position_ids.to(device=device, dtype=torch.long)
+        query_request = torch.searchsorted(cu_q[1:], torch.arange(length, device=device), right=True)
+        key = torch.arange(key_length, device=device)
+        key_request = torch.searchsorted(cu_k[1:], key, right=True)  # past the last segment: no request's
+        last_query = positions[0, (cu_q[1:] - 1).clamp(0, length - 1)]  # [R]: each request's last query position
+        segment_end = torch.cat([cu_k[1:], cu_k[-1:]])  # a key past the segments reads the sentinel, masked
+        key_positions = last_query[key_request.clamp(max=last_query.numel() - 1)] - (segment_end[key_request] - 1 - key)
+        relative = key_positions[None, :] - positions[0][:, None]  # [Q, K]
+        mask = (query_request[:, None] == key_request[None, :]) & (relative <= 0)
+        if config.sliding_window is not None:
+            mask &= relative > -config.sliding_window
+        scheme.check_positions(positions)
+        ctx = cls(
+            query_length=length,
+            key_length=key_length,
+            q_offset=0,
+            past_length=0,
+            causal=True,
+            mask=mask[None, None],
+            position_ids=positions,
+            attn_implementation="eager" if output_attentions else attn_implementation,
+            output_attentions=output_attentions,
+            alive=None,
+            scheme=scheme,
+            relative_position=relative,
+            paged=paged,
+        )
+        ctx.alive = ctx.live_rows(device)
+        return ctx
+
     def to(self, device, non_blocking: bool = False) -> "PositionContext":
         """Called by accelerate's hooks when a layer sits on another device."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive),
-                       key_mask=move(self.key_mask))
+                       key_mask=move(self.key_mask), relative_position=move(self.relative_position))
 
     @property
     def traced_offset(self) -> bool:
@@ -266,13 +317,15 @@ class PositionContext:
     def keys_end_at_query(self) -> bool:
         """The keys end at the last query (every key slot filled); not so in a StaticCache, whose unfilled
         slots follow the queries (and a traced offset may leave any number of them)."""
+        if self.relative_position is not None:
+            return False
         return not self.traced_offset and self.key_length == self.past_length + self.query_length
 
     @property
     def keys_only(self) -> bool:
         """Nothing is masked beyond causality but keys (padding): self-attention of a fresh forward."""
         fresh = not self.traced_offset and self.past_length == 0 and self.key_length == self.query_length
-        return fresh and (self.mask is None or self.key_mask is not None)
+        return fresh and self.relative_position is None and (self.mask is None or self.key_mask is not None)
 
     def causal_mask(self, device) -> torch.Tensor:
         """[1, 1, Q, K] bool: key j is at or before the query's position."""
@@ -283,6 +336,8 @@ class PositionContext:
     def full_mask(self, device) -> Optional[torch.Tensor]:
         """The bool mask including causality (and a static cache's unfilled slots), or None if nothing is masked."""
         mask = self.mask
+        if self.relative_position is not None:  # explicit positions: the mask holds causality already
+            return mask
         if self.causal:
             causal = self.causal_mask(device)
             mask = causal if mask is None else mask & causal
@@ -457,6 +512,7 @@ class T5BiasScheme(AdditiveBiasScheme):
             bidirectional=self.bidirectional,
             max_distance=self.max_distance,
             past_length=ctx.past_length,
+            relative_position=ctx.relative_position,
         )
 
     def _weight(self, device) -> torch.Tensor:
@@ -486,7 +542,7 @@ class LogDecayScheme(AdditiveBiasScheme):
     def bias(self, ctx, device, dtype):
         bias = log_decay_bias(
             ctx.query_length, ctx.key_length, scale=self.scale, past_length=ctx.past_length, device=device,
-            dtype=torch.float32,
+            dtype=torch.float32, relative_position=ctx.relative_position,
         )
         return bias[None, None]
 
@@ -504,7 +560,10 @@ class AlibiScheme(AdditiveBiasScheme):
         self.slopes = alibi_slopes(self.num_heads, device="cpu", dtype=torch.float32)
 
     def bias(self, ctx, device, dtype):
-        return alibi_bias(self.slopes.to(device), ctx.query_length, ctx.key_length, past_length=ctx.past_length)
+        return alibi_bias(
+            self.slopes.to(device), ctx.query_length, ctx.key_length, past_length=ctx.past_length,
+            relative_position=ctx.relative_position,
+        )
 
     def compact(self, ctx, device, dtype):
         """Causal ALiBi as a bias per key ``[H, K]`` (softmax ignores the row constant), which rides in the
@@ -533,7 +592,10 @@ class KerpleLogScheme(AdditiveBiasScheme):
         # Clamped in value, not in gradient (straight through): a parameter below the floor can still come back,
         # as with KERPLE's in-place clamp of the data; a plain clamp_min would freeze it there for good.
         r1, r2 = (r + (r.clamp_min(self.floor) - r).detach() for r in (self.r1, self.r2))
-        return kerple_log_bias(r1, r2, ctx.query_length, ctx.key_length, past_length=ctx.past_length)
+        return kerple_log_bias(
+            r1, r2, ctx.query_length, ctx.key_length, past_length=ctx.past_length,
+            relative_position=ctx.relative_position,
+        )
 
 
 class FireScheme(AdditiveBiasScheme):
@@ -560,7 +622,7 @@ class FireScheme(AdditiveBiasScheme):
         # dropped keys, left padding and packed documents make it differ from its index among the keys).
         return fire_bias(
             first.weight, first.bias, last.weight, last.bias, self.c, threshold, ctx.query_length, ctx.key_length,
-            past_length=ctx.past_length, positions=ctx.position_ids,
+            past_length=ctx.past_length, positions=ctx.position_ids, relative_position=ctx.relative_position,
         )
 
 
@@ -699,6 +761,7 @@ class ShawScheme(PositionScheme):
             past_length=ctx.past_length,
             dropout_p=attn.attention_dropout if attn.training else 0.0,
             need_weights=ctx.output_attentions,
+            relative_position=ctx.relative_position,
         )
         out, weights = out if ctx.output_attentions else (out, None)
         return out.transpose(1, 2), weights
@@ -808,6 +871,8 @@ class TransformerXLScheme(PositionScheme):
         StaticCache, whose unfilled slots get negative distances that the mask hides."""
         length = ctx.key_length if ctx.causal else ctx.key_length + ctx.query_length - 1
         high = ctx.past_length + ctx.query_length - 1
+        if ctx.relative_position is not None:  # explicit positions: every distance K-1 .. 0 a pair may have
+            high = ctx.key_length - 1
         values = high - torch.arange(length, device=device)
         if ctx.traced_offset:  # a traced static cache: the projection is computed whole (see TransformerXLRelative)
             if self.clamp_len > 0:
@@ -834,6 +899,7 @@ class TransformerXLScheme(PositionScheme):
             is_causal=ctx.causal,
             dropout_p=attn.attention_dropout if attn.training else 0.0,
             need_weights=ctx.output_attentions,
+            relative_position=ctx.relative_position,
         )
         out, weights = out if ctx.output_attentions else (out, None)
         return out.transpose(1, 2), weights

@@ -1,0 +1,190 @@
+"""Continuous batching (Transformers' ``generate_batch`` and its manager, a paged cache): each request gets exactly
+the tokens that greedy ``generate`` gives it alone, and each packed step's logits equal the request's own forward,
+for every causal scheme under eager and sdpa; the models that cannot take part are refused in one line."""
+
+import time
+
+import pytest
+import torch
+
+from hf_relpos import RelPosForConditionalGeneration
+from tiny import ENCODINGS, IMPLS, VOCAB, build, make_model
+
+transformers_cb = pytest.importorskip("transformers.generation.continuous_batching")
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+# Small pages and steps: prompts longer than max_batch_tokens are split over steps (chunked prefill), and decoding
+# requests share steps with other requests' prefill chunks, so the packed path with a past really runs.
+CB_CONFIG = dict(page_size=16, num_blocks=64, max_batch_tokens=12, max_requests_per_batch=4)
+PROMPT_LENGTHS = (3, 17, 1, 9, 26)
+MAX_NEW = (6, 3, 9, 5, 4)
+
+
+def prompts(seed: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def continuous(model, inputs, max_new, generation_config=None, **cb_config):
+    """Each request's result (in the order given) from one continuous-batching session, requests of their own
+    max_new_tokens."""
+    generation_config = generation_config or GenerationConfig(do_sample=False, max_new_tokens=max(max_new))
+    config = ContinuousBatchingConfig(**{**CB_CONFIG, **cb_config})
+    deadline = time.monotonic() + 120
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=config, warmup=False
+    ) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(inputs, max_new)]
+        results = {}
+        while len(results) < len(ids):
+            assert time.monotonic() < deadline, "continuous batching did not finish"
+            result = manager.get_result(timeout=1)
+            if result is None:
+                assert manager.is_running(), "the continuous batching loop stopped"
+            elif result.is_finished():
+                results[result.request_id] = result
+    out = [results[i] for i in ids]
+    for result in out:
+        assert result.error is None, result.error
+    return out
+
+
+class StepRecorder:
+    """Records every step of the model: its inputs (tokens, positions, requests by id) and the logits it returned."""
+
+    def __init__(self, model):
+        self.steps = []
+        self.handle = model.register_forward_hook(self.record, with_kwargs=True)
+
+    def record(self, module, args, kwargs, output):
+        if kwargs.get("read_index") is None:
+            return
+        cu_q = kwargs["cu_seq_lens_q"].long().clone()
+        # Each packed request by its id: the paged block its first new token is written to is one of its own.
+        allocator = kwargs["cache"].layer_to_allocator[0]
+        written = kwargs["write_index"][allocator.index]
+        blocks = [int(written[first]) // allocator.block_physical_stride for first in cu_q[:-1].tolist()]
+        owners = [next(rid for rid, table in allocator.block_table.items() if block in table) for block in blocks]
+        self.steps.append(dict(
+            input_ids=kwargs["input_ids"][0].clone(), position_ids=kwargs["position_ids"][0].long().clone(),
+            cu_q=cu_q, owners=owners, logits_indices=kwargs["logits_indices"].long().clone(),
+            past=any(index.numel() for index in kwargs["read_index"]), logits=output.logits[0].detach().clone(),
+        ))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scheme", ENCODINGS)
+def test_continuous_batching_equals_generate(scheme, impl):
+    """Greedy tokens equal ``generate`` of each request alone, and every step's logits equal each request's own
+    forward over its tokens so far (a wrong distance cannot hide behind a greedy tie); the steps packed several
+    requests with a past and split a prompt over steps."""
+    model = build(scheme, impl=impl)
+    inputs = prompts()
+    recorder = StepRecorder(model)
+    try:
+        results = continuous(model, inputs, MAX_NEW)
+    finally:
+        recorder.handle.remove()
+    assert model.config._attn_implementation == impl  # restored after the session
+    sequences = {}
+    for prompt, n, result in zip(inputs, MAX_NEW, results):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :]
+        assert result.generated_tokens == expected.tolist(), f"{scheme}/{impl}: prompt of {len(prompt)} tokens"
+        sequences[result.request_id] = prompt + result.generated_tokens
+
+    steps = recorder.steps
+    assert any(s["past"] and s["cu_q"].numel() > 2 for s in steps), "no step packed several requests with a past"
+    chunked = [s for s in steps if s["past"] and bool((s["cu_q"].diff() > 1).any())]
+    assert chunked, "no prompt was split over steps (chunked prefill)"
+    checked = 0
+    with torch.no_grad():
+        for step in steps:
+            for row, index in zip(step["logits"], step["logits_indices"].tolist()):
+                request = int(torch.searchsorted(step["cu_q"][1:], torch.tensor(index), right=True))
+                first = int(step["cu_q"][request])
+                start, end = int(step["position_ids"][first]), int(step["position_ids"][index]) + 1
+                sequence = sequences[step["owners"][request]]
+                assert sequence[start:end] == step["input_ids"][first : index + 1].tolist()
+                alone = model(torch.tensor([sequence[:end]])).logits[0, -1]
+                torch.testing.assert_close(row, alone, atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert checked >= sum(MAX_NEW)  # a row for each generated token (and any the manager drew and dropped)
+
+
+@pytest.mark.parametrize("scheme", ["t5_bias", "shaw", "transformer_xl"])
+def test_continuous_batching_sliding_window(scheme):
+    """A sliding window (the paged cache keeps each request's latest ``sliding_window - 1`` keys) gives generate's
+    tokens: the window is measured in each request's own positions."""
+    model = build(scheme, impl="sdpa", sliding_window=5)
+    inputs = prompts(seed=7)
+    results = continuous(model, inputs, MAX_NEW)
+    for prompt, n, result in zip(inputs, MAX_NEW, results):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :]
+        assert result.generated_tokens == expected.tolist()
+
+
+def test_continuous_batching_sampling_is_reproducible():
+    """Sampling with the manager's seed draws the same tokens twice; another seed draws others."""
+    model = build("alibi", impl="sdpa")
+    inputs = prompts()
+    config = GenerationConfig(do_sample=True, temperature=2.0, max_new_tokens=8)
+
+    def sample(seed):
+        return [r.generated_tokens for r in continuous(model, inputs, [8] * len(inputs), config, seed=seed)]
+
+    first = sample(3)
+    assert sample(3) == first
+    assert sample(4) != first
+    assert all(0 <= t < VOCAB for tokens in first for t in tokens)
+
+
+def test_generate_batch_refuses_transformer_xl_memory():
+    model = build("transformer_xl", mem_len=4)
+    with pytest.raises(ValueError, match=r"mem_len=4") as error:
+        model.generate_batch(inputs=prompts(), generation_config=GenerationConfig(max_new_tokens=2, do_sample=False))
+    assert "\n" not in str(error.value) and "RelPosForCausalLM cannot use continuous batching" in str(error.value)
+
+
+def test_generate_batch_refuses_encoder_decoder():
+    model = make_model(RelPosForConditionalGeneration, "t5_bias", preset="seq2seq")
+    with pytest.raises(ValueError, match=r"is_encoder_decoder=True") as error:
+        model.generate_batch(inputs=prompts(), generation_config=GenerationConfig(max_new_tokens=2, do_sample=False))
+    assert "\n" not in str(error.value)
+
+
+def test_paged_step_is_checked():
+    """A recorded continuous-batching step replayed on a model that cannot honour it raises (no silent answer); the
+    paged arguments without a paged cache, or rows that disagree with logits_to_keep, raise too."""
+    model = build("rope", impl="sdpa")
+    captured = []
+
+    def copy(value):  # the manager reuses its index buffers from step to step
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, (list, tuple)):
+            return [copy(v) for v in value]
+        return {k: copy(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    def capture(module, args, kwargs):
+        if kwargs.get("read_index") is not None and not captured:
+            captured.append(copy(kwargs))
+
+    handle = model.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        continuous(model, prompts()[:2], [2, 2])
+    finally:
+        handle.remove()
+    step = captured[0]
+    with torch.no_grad():
+        model(**step)  # the step replayed as it ran
+        txl = build("transformer_xl", mem_len=4)
+        with pytest.raises(ValueError, match=r"PagedAttentionCache .* mem_len=4"):
+            txl(**step)
+        with pytest.raises(ValueError, match=r"read_index, write_index: .* PagedAttentionCache"):
+            model(step["input_ids"], read_index=step["read_index"], write_index=step["write_index"])
+        wrong = step["logits_indices"].flip(0) if step["logits_indices"].numel() > 1 else step["logits_indices"] + 1
+        with pytest.raises(ValueError, match=r"logits_indices .* logits_to_keep"):
+            model(**{**step, "logits_to_keep": wrong})
+        with pytest.raises(ValueError, match=r"position_ids \[1, \d+\]"):
+            model(**{**step, "position_ids": None})
