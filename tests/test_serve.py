@@ -324,7 +324,15 @@ def test_a_taken_port_is_one_line(folders, capsys):
     assert err.startswith("hf-relpos serve: error: --port") and "in use" in err and "\n" not in err
 
 
-def test_continuous_batching_refuses_an_encoder_decoder(folders, capsys):
+def test_continuous_batching_refuses_an_encoder_decoder_and_transformer_xl_memory(folders, tmp_path, capsys):
     assert hf_relpos_cli.main(["serve", str(folders["seq2seq"]), "--continuous-batching"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--continuous-batching" in err and "encoder-decoder" in err and "\n" not in err
+    tokenizer = _tokenizer()
+    config = RelPosConfig(position_encoding="transformer_xl", mem_len=8, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=4, vocab_size=len(tokenizer))
+    folder = _save(RelPosForCausalLM(config), tokenizer, tmp_path / "txl")
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert hf_relpos_cli.main(["serve", str(folder), "--continuous-batching"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--continuous-batching" in err and "mem_len=8" in err and "\n" not in err

@@ -77,12 +77,15 @@ def serve_command(args) -> int:
     import torch
     from transformers import GenerationConfig
 
+    from ..modeling_relpos import continuous_batching_refusal
+
     device = _device(args.device)
     model, tokenizer = load_folder(args.folder, encoder_decoder=True)
     config = model.config
-    if args.continuous_batching and config.is_encoder_decoder:
-        raise UserError(f"--continuous-batching: {args.folder!r} holds an encoder-decoder, and Transformers' continuous "
-                        "batching runs decoder-only models; serve it without --continuous-batching (plain generate)")
+    refusal = continuous_batching_refusal(config) if args.continuous_batching else None
+    if refusal:  # an encoder-decoder, Transformer-XL with memory
+        raise UserError(f"--continuous-batching: the model in {args.folder!r} cannot take part ({refusal}); serve it "
+                        "without --continuous-batching (one generate call at a time)")
     if args.dtype != "auto":
         model = model.to(getattr(torch, args.dtype))
     model = model.to(device)
