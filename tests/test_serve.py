@@ -312,6 +312,10 @@ def test_not_a_model_folder_is_one_line_before_binding(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         hf_relpos_cli.main(["serve", str(tmp_path), "--port", "70000"])
     assert stop.value.code == 2 and "--port" in capsys.readouterr().err
+    assert hf_relpos_cli.main(["serve", str(tmp_path), "--cb-num-blocks", "8"]) == 2
+    assert "--cb-num-blocks" in capsys.readouterr().err
+    assert hf_relpos_cli.main(["serve", str(tmp_path), "--device", "no-such-device"]) == 2
+    assert "--device 'no-such-device'" in capsys.readouterr().err
 
 
 def test_a_taken_port_is_one_line(folders, capsys):

@@ -73,6 +73,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve_command(args) -> int:
+    given = [f"--{k.replace('_', '-')}" for k in ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens")
+             if getattr(args, k) is not None]
+    if given and not args.continuous_batching:
+        raise UserError(f"{given[0]} sets continuous batching's paged cache: give it with --continuous-batching")
     check_serving()
     import torch
     from transformers import GenerationConfig
