@@ -353,9 +353,14 @@ def t5_position_bias(
     # The bias depends on j - (past + i) only: bucket each of the Q + K - 1 distances once (the same
     # function, so the same buckets as upstream), then spread the per-distance values over [Q, K].
     device = weight.device
-    if isinstance(past_length, torch.Tensor) or relative_position is not None:  # distances not a known band
+    if relative_position is not None:  # explicit positions: the bias per clipped distance, read for each pair
+        per_distance = t5_bias_by_distance(weight, bidirectional=bidirectional, max_distance=max_distance)
+        s = (per_distance.shape[1] - 1) // 2  # constant beyond s on each side (t5_saturation_distance)
+        index = _distances(query_length, key_length, past_length, device, relative_position).clamp(-s, s) + s
+        return per_distance[:, index].unsqueeze(0)
+    if isinstance(past_length, torch.Tensor):  # traced decoding: the distances' range is not known on the host
         buckets = t5_relative_position_bucket(
-            _distances(query_length, key_length, past_length, device, relative_position),
+            _relative_distance(query_length, key_length, past_length, device),
             bidirectional=bidirectional, num_buckets=weight.shape[0], max_distance=max_distance,
         )
         return F.embedding(buckets, weight).permute(2, 0, 1).unsqueeze(0)

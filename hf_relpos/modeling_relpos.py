@@ -83,9 +83,9 @@ MODEL_KWARGS = frozenset(TransformersKwargs.__optional_keys__ | TransformersKwar
 TOKEN_LOSS_KWARGS = frozenset({"num_items_in_batch", "ignore_index"})  # ForMaskedLMLoss (the encoder-decoder)
 CAUSAL_LOSS_KWARGS = TOKEN_LOSS_KWARGS | {"shift_labels"}  # ForCausalLMLoss
 # Continuous batching's step arguments (`PagedAttentionArgs`) beyond the model keyword arguments: the paged cache's
-# indices (taken with a PagedAttentionCache only) and the rows whose logits the step reads (the causal LM head's).
+# indices, taken with a PagedAttentionCache only (its `logits_indices` and `logits_processor_args` are the causal LM
+# head's).
 PAGED_KWARGS = frozenset({"read_index", "write_index", "block_table"})
-PAGED_HEAD_KWARGS = frozenset({"logits_indices", "logits_processor_args"})
 
 
 def continuous_batching_refusal(config) -> Optional[str]:
@@ -773,17 +773,17 @@ class RelPosModel(RelPosPreTrainedModel):
     def _check_inputs(
         self, input_ids, inputs_embeds, attention_mask, position_ids, cache, mems, encoder_hidden_states,
         encoder_attention_mask, kwargs,
-    ) -> None:
+    ) -> Optional[tuple]:
         """Every check of ``forward``'s arguments, in the order they are read; a host read of a tensor's values
-        runs in eager calls only (``torch.compiler.is_compiling()``), so a traced graph keeps none."""
+        runs in eager calls only (``torch.compiler.is_compiling()``), so a traced graph keeps none. A
+        continuous-batching step returns what ``_check_paged`` does (None otherwise)."""
         _refuse_unknown_kwargs(type(self).__name__, kwargs, MODEL_KWARGS | PAGED_KWARGS)
         paged = isinstance(cache, PagedAttentionCache)
         self._check_model_kwargs(kwargs, paged)
         self._check_setup(cache)
         batch, length = self._check_tokens(input_ids, inputs_embeds)
         if paged:
-            self._check_paged(cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, batch, length)
-            return
+            return self._check_paged(cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, batch, length)
         given = sorted(PAGED_KWARGS & {name for name, value in kwargs.items() if value is not None})
         if given:
             raise ValueError(
@@ -1010,7 +1010,8 @@ class RelPosModel(RelPosPreTrainedModel):
         """One continuous-batching step (``PagedAttentionArgs``): a config that can take part, requests packed in one
         row with their own ``position_ids`` and ``cu_seq_lens_q``, and the paged cache's arguments for this
         model's one group of layers: ``cu_seq_lens_k`` with as many requests, a read and a write index per group,
-        no block table (flash attention's), a 4-D mask (or none) over the step's queries and keys."""
+        no block table (flash attention's), a 4-D mask (or none) over the step's queries and keys. Returns this
+        group's ``(cu_seq_lens_q, cu_seq_lens_k, key count)``."""
         refusal = continuous_batching_refusal(self.config)
         if refusal is not None:
             raise ValueError(f"a PagedAttentionCache (continuous batching) cannot be used: {refusal}")
@@ -1117,7 +1118,7 @@ class RelPosModel(RelPosPreTrainedModel):
         argument that is neither named here nor one of Transformers' model keyword arguments is a ``TypeError``."""
         config = self.config
         cache = _one_cache(cache, past_key_values)
-        self._check_inputs(
+        paged_step = self._check_inputs(
             input_ids, inputs_embeds, attention_mask, position_ids, cache, mems, encoder_hidden_states,
             encoder_attention_mask, kwargs,
         )
@@ -1137,10 +1138,8 @@ class RelPosModel(RelPosPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         output_attentions = kwargs.get("output_attentions")
         output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
-        if isinstance(self_cache, PagedAttentionCache):  # a continuous-batching step: each request's own positions
-            cu_q, cu_k, key_length = self._check_paged(
-                self_cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, *inputs_embeds.shape[:2]
-            )
+        if paged_step is not None:  # a continuous-batching step: each request's own positions
+            cu_q, cu_k, key_length = paged_step
             update = {name: kwargs.get(name) for name in ("read_index", "write_index", "block_table", "max_length_k")}
             ctx = PositionContext.from_paged(
                 config, self.position, inputs_embeds, position_ids, cu_q, cu_k, key_length,

@@ -188,3 +188,37 @@ def test_paged_step_is_checked():
             model(**{**step, "logits_to_keep": wrong})
         with pytest.raises(ValueError, match=r"position_ids \[1, \d+\]"):
             model(**{**step, "position_ids": None})
+
+
+def test_functional_relative_position_equals_the_band():
+    """Each position term given explicit positions (``relative_position``, key minus query) equals its band form
+    when the explicit positions are the band's: the one seam every scheme's continuous-batching term goes through."""
+    from hf_relpos import functional as F
+
+    g = torch.Generator().manual_seed(0)
+    Q, K, past, H, D = 5, 9, 4, 3, 8
+    relative = torch.arange(K)[None, :] - (torch.arange(Q)[:, None] + past)
+    q, k, v = (torch.randn(1, H, n, D, generator=g, dtype=torch.float64) for n in (Q, K, K))
+    slopes, r1, r2 = (torch.rand(H, generator=g, dtype=torch.float64) + 0.1 for _ in range(3))
+    weight = torch.randn(8, H, generator=g, dtype=torch.float64)
+    mlp = [torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((6, 1), (6,), (H, 6), (H,))]
+    c, threshold = torch.tensor(0.3, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)
+    pairs = [
+        lambda **kw: F.t5_position_bias(weight, Q, K, bidirectional=False, max_distance=6, **kw),
+        lambda **kw: F.alibi_bias(slopes, Q, K, **kw),
+        lambda **kw: F.log_decay_bias(Q, K, scale=0.7, dtype=torch.float64, **kw),
+        lambda **kw: F.kerple_log_bias(r1, r2, Q, K, **kw),
+        lambda **kw: F.fire_bias(*mlp, c, threshold, Q, K, positions=torch.arange(Q)[None] + past, **kw),
+        lambda **kw: F.shaw_attention(q, k, v, torch.randn(7, D, generator=torch.Generator().manual_seed(1),
+                                      dtype=torch.float64), torch.randn(7, D, generator=torch.Generator().manual_seed(2),
+                                      dtype=torch.float64), max_relative_position=3, is_causal=True, **kw),
+    ]
+    for term in pairs:
+        torch.testing.assert_close(term(past_length=past), term(relative_position=relative), rtol=0, atol=1e-12)
+        # a wrong distance shows: the positions of another request (shifted by one) give another term
+        assert not torch.allclose(term(past_length=past), term(relative_position=relative + 1))
+    r = torch.randn(H, K, D, generator=g, dtype=torch.float64)
+    u, w = torch.randn(H, D, generator=g, dtype=torch.float64), torch.randn(H, D, generator=g, dtype=torch.float64)
+    band = F.transformer_xl_attention(q[:, :, :Q], k, v, r, u, w, is_causal=True)
+    explicit = F.transformer_xl_attention(q[:, :, :Q], k, v, r, u, w, is_causal=True, relative_position=relative)
+    torch.testing.assert_close(band, explicit, rtol=0, atol=1e-12)
