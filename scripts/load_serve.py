@@ -3,8 +3,9 @@
 Each client sends greedy ``/v1/completions`` requests (a fixed set of prompts of mixed length, fixed ``max_tokens``)
 one after another until the level's requests are done; the table gives requests/s, generated tokens/s (the
 ``usage.completion_tokens`` the server reports, over the level's wall time) and the p50/p95 latency of a request.
-The server runs in a child process (``python -m hf_relpos.cli serve FOLDER --port 0``), one per mode; ``--url``
-drives a server already running instead (one mode, the one it was started with).
+The servers run in child processes (``python -m hf_relpos.cli serve FOLDER --port 0``), one per mode, all started
+first; each level runs ``--rounds`` rounds with the modes alternating, so that a busy shared machine slows both
+alike, and the table gives the medians. ``--url`` drives a server already running instead (one mode).
 
     python scripts/load_serve.py                       # a small random t5_bias model built here; a few minutes
     python scripts/load_serve.py runs/demo             # a trained folder
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")),
                         help="the server's OMP_NUM_THREADS")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per level, the modes alternating")
     parser.add_argument("--modes", nargs="+", choices=["plain", "continuous-batching"],
                         default=["plain", "continuous-batching"])
     parser.add_argument("--output", default=str(ROOT / "results" / "bench-cpu-serve.md"))
@@ -161,24 +163,36 @@ def main() -> None:
                     "a random t5_bias model (4 layers, width 256, 4 heads, 2048-token BPE) built by the script")
             runs = [(mode, folder, None, ["--continuous-batching"] if mode == "continuous-batching" else [])
                     for mode in args.modes]
-        for mode, target, name, extra in runs:
-            server = None
-            if extra is not None:
-                server = Server(target, extra + ["--max-tokens", str(args.max_tokens)], Path(tmp) / f"{mode}.log")
-                target, name = server.url, server.name
-            try:
+        servers = []
+        try:
+            targets = []
+            for mode, target, name, extra in runs:  # every mode's server up at once: rounds alternate between them
+                if extra is not None:
+                    servers.append(Server(target, extra + ["--max-tokens", str(args.max_tokens)],
+                                          Path(tmp) / f"{mode}.log"))
+                    target, name = servers[-1].url, servers[-1].name
                 complete(target, name, texts[0], 4)  # warm-up
-                for clients in args.clients:
-                    result = level(target, name, texts, clients, args.max_tokens)
-                    rows.append((mode, result))
-                    print(mode, json.dumps(result), flush=True)
-                    if result["errors"]:
-                        notes.append(f"{mode}, {clients} clients: {result['errors']} of {result['requests']} requests "
-                                     f"failed; the first: {result['first_error']}")
-                        break
-            finally:
-                if server is not None:
-                    server.stop()
+                targets.append((mode, target, name))
+            failed = set()
+            for clients in args.clients:
+                results = {mode: [] for mode, _, _ in targets}
+                for _ in range(args.rounds):  # mode A, mode B, A, B, ...: each pair under the same machine load
+                    for mode, target, name in targets:
+                        if mode in failed:
+                            continue
+                        result = level(target, name, texts, clients, args.max_tokens)
+                        results[mode].append(result)
+                        print(mode, json.dumps(result), flush=True)
+                        if result["errors"]:
+                            failed.add(mode)
+                            notes.append(f"{mode}, {clients} clients: {result['errors']} of {result['requests']} "
+                                         f"requests failed; the first: {result['first_error']}")
+                for mode, _, _ in targets:
+                    if results[mode]:
+                        rows.append((mode, clients, results[mode]))
+        finally:
+            for server in servers:
+                server.stop()
     command = "python scripts/load_serve.py " + " ".join(sys.argv[1:])
     lines = [
         "# CPU load test: hf-relpos serve", "",
@@ -189,13 +203,15 @@ def main() -> None:
         f"Versions: {versions()}  ",
         f"Served: {what}; {args.requests} greedy /v1/completions requests per level (prompts of 4 to 60 words of "
         f"the embedded corpus' test split), max_tokens {args.max_tokens}; clients send their next request when the "
-        "last one is answered.", "",
+        f"last one is answered. Each level runs {args.rounds} rounds, the modes alternating (so each pair shares the "
+        "machine's load); the table gives the medians over the rounds.", "",
         "| mode | clients | requests/s | generated tokens/s | p50 latency (s) | p95 latency (s) | failed |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for mode, r in rows:
-        lines.append(f"| {mode} | {r['clients']} | {r['rps']:.2f} | {r['tps']:.1f} | {r['p50']:.2f} | {r['p95']:.2f} "
-                     f"| {r['errors']} |")
+    for mode, clients, results in rows:
+        med = {key: statistics.median(r[key] for r in results) for key in ("rps", "tps", "p50", "p95")}
+        lines.append(f"| {mode} | {clients} | {med['rps']:.2f} | {med['tps']:.1f} | {med['p50']:.2f} | "
+                     f"{med['p95']:.2f} | {sum(r['errors'] for r in results)} |")
     lines += [""] + [f"- {note}" for note in notes]
     text = "\n".join(lines).rstrip() + "\n"
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
