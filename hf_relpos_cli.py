@@ -242,6 +242,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cb-block-size", type=positive_int, default=None, help="paged cache block size in tokens")
     p.add_argument("--cb-num-blocks", type=positive_int, default=None, help="paged cache blocks")
     p.add_argument("--cb-max-batch-tokens", type=positive_int, default=None, help="most tokens in one batch")
+    p.add_argument("--cb-max-memory-percent", type=_number(float, 0.0, strict=True, maximum=1.0), default=None,
+                   help="the paged cache's share of free memory, > 0 to 1 (default: Transformers' 0.9 on a GPU, "
+                        "0.1 on a CPU, whose memory the whole machine shares)")
     p.add_argument("--max-tokens", type=positive_int, default=1024,
                    help="most tokens a request may generate (and what a request that names none gets)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")

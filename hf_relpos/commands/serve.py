@@ -11,6 +11,8 @@ from .common import load_folder, one_line
 from .errors import UserError
 
 SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic")
+CB_OPTIONS = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent")
+CPU_CACHE_MEMORY = 0.1  # the paged cache's share of a CPU machine's free memory, unless --cb-* says otherwise
 # transformers.cli.serving's ModelManager, handlers and build_server: first tested on 5.21 (the oldest supported)
 SERVING_TRANSFORMERS = "5.21"
 
@@ -73,7 +75,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve_command(args) -> int:
-    given = [f"--{k.replace('_', '-')}" for k in ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens")
+    given = [f"--{k.replace('_', '-')}" for k in CB_OPTIONS
              if getattr(args, k) is not None]
     if given and not args.continuous_batching:
         raise UserError(f"{given[0]} sets continuous batching's paged cache: give it with --continuous-batching")
@@ -105,7 +107,11 @@ def serve_command(args) -> int:
     from .serve_app import build_app
 
     cb_config = None
-    cb = {"block_size": args.cb_block_size, "num_blocks": args.cb_num_blocks, "max_batch_tokens": args.cb_max_batch_tokens}
+    cb = {name[len("cb_"):]: getattr(args, name) for name in CB_OPTIONS}
+    sized = cb["num_blocks"] is not None or cb["max_memory_percent"] is not None
+    if args.continuous_batching and device.type == "cpu" and not sized:
+        # Transformers sizes the paged cache to 90% of the machine's memory on a CPU (of the GPU's on a GPU)
+        cb["max_memory_percent"] = CPU_CACHE_MEMORY
     if any(v is not None for v in cb.values()):
         from transformers import ContinuousBatchingConfig
 
