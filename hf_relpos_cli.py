@@ -10,7 +10,8 @@ Exit status: 0 on success; 2 for a user error, printed as one line
 ``hf-relpos <command>: error: <what was given, what is allowed>`` (a traceback only with ``--debug``
 or ``HF_RELPOS_DEBUG=1``); 130 after Ctrl-C; an unexpected exception prints its traceback (1).
 
-Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``compare``, ``inspect``, ``export``. Without ``make``::
+Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``compare``, ``inspect``, ``export``,
+``serve``. Without ``make``::
 
     hf-relpos train --position-encoding alibi --output-dir runs/alibi --steps 300
     hf-relpos inspect runs/alibi --prompt "The for statement"   # runs/alibi/inspect/*.png
@@ -47,6 +48,7 @@ COMMANDS = {
     "compare": "hf_relpos.commands.compare:compare_command",
     "inspect": "hf_relpos.commands.inspect:inspect_command",
     "export": "hf_relpos.commands.export:export_command",
+    "serve": "hf_relpos.commands.serve:serve_command",
 }
 
 
@@ -82,6 +84,15 @@ seed_number = _number(int, 0, strict=False, maximum=MAX_SEED)
 
 
 vocab_size = _number(int, MIN_VOCAB, strict=False)
+port_number = _number(int, 0, strict=False, maximum=65535)
+SERVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def model_name(text: str) -> str:
+    if not text or text != text.strip() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"must be a non-empty name without spaces, got {text!r}")
+    return text
 
 
 def _versions_report() -> str:
@@ -219,6 +230,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=EXPORT_FORMATS, required=True,
                    help="onnx (torch.onnx.export, dynamo; run with onnxruntime) or pt2 (torch.export.save)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
+
+    p = command("serve", "serve a trained folder over HTTP: OpenAI-compatible completions (Transformers' server)")
+    p.add_argument("folder", help="a folder written by `hf-relpos train` or `convert-t5` (an encoder-decoder)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port_number, default=8000, help="the port to listen on (0: a free one, printed)")
+    p.add_argument("--model-name", type=model_name, default=None,
+                   help="the model's name in requests and /v1/models (default: the folder's name)")
+    p.add_argument("--continuous-batching", action="store_true",
+                   help="run requests together in Transformers' continuous batching (paged cache; decoder-only)")
+    p.add_argument("--cb-block-size", type=positive_int, default=None, help="paged cache block size in tokens")
+    p.add_argument("--cb-num-blocks", type=positive_int, default=None, help="paged cache blocks")
+    p.add_argument("--cb-max-batch-tokens", type=positive_int, default=None, help="most tokens in one batch")
+    p.add_argument("--cb-max-memory-percent", type=_number(float, 0.0, strict=True, maximum=1.0), default=None,
+                   help="the paged cache's share of free memory, > 0 to 1 (default: Transformers' 0.9 on a GPU, "
+                        "0.1 on a CPU, whose memory the whole machine shares)")
+    p.add_argument("--max-tokens", type=positive_int, default=1024,
+                   help="most tokens a request may generate (and what a request that names none gets)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", choices=SERVE_DTYPES, default="auto", help="the weights' dtype (auto: as saved)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="uvicorn's log level")
     return root
 
 

@@ -5,6 +5,7 @@
 - :mod:`.compare`: ``compare`` and its table (:func:`~.compare.compare` with :class:`~.compare.CompareOptions`);
 - :mod:`.inspect`: ``inspect``;
 - :mod:`.t5`: ``validate-t5`` and ``convert-t5``;
+- :mod:`.serve`: ``serve`` (Transformers' OpenAI-compatible server; the app, :mod:`.serve_app`, needs the ``serve`` extra);
 - reporting apart: :mod:`.plotting` (the comparison figure), :mod:`.model_card` (cards from ``model_cards/``);
 - :mod:`.common` (model folders: what may be written where, loading one) and :mod:`.errors`.
 

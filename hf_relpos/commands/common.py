@@ -417,9 +417,10 @@ def training_length(folder: Union[str, Path]) -> Optional[int]:
     return seq_len if type(seq_len) is int and seq_len > 0 else None
 
 
-def check_folder(folder: str) -> Path:
-    """What can be checked of a folder before loading it: a causal hf-relpos model written by ``train``, with its
-    tokenizer and weights, asking for no code of its own. A UserError says what is wrong with any other."""
+def check_folder(folder: str, encoder_decoder: bool = False) -> Path:
+    """What can be checked of a folder before loading it: a causal hf-relpos model written by ``train`` (or, with
+    ``encoder_decoder``, an encoder-decoder too), with its tokenizer and weights, asking for no code of its own. A
+    UserError says what is wrong with any other."""
     path = Path(folder)
     if not path.exists():
         raise UserError(f"folder {folder!r} does not exist: pass a folder written by `hf-relpos train`")
@@ -429,7 +430,7 @@ def check_folder(folder: str) -> Path:
     model_type = config.get("model_type")
     if model_type != "relpos":
         raise UserError(f"folder {folder!r} holds a model of model_type {model_type!r}, not an hf-relpos model ('relpos')")
-    if config.get("is_encoder_decoder"):
+    if config.get("is_encoder_decoder") and not encoder_decoder:
         raise UserError(
             f"folder {folder!r} holds an encoder-decoder (RelPosForConditionalGeneration): this command reads the "
             "causal language models `hf-relpos train` writes; load it with AutoModelForSeq2SeqLM (README: encoder-decoder)"
@@ -466,15 +467,16 @@ def _weights_file(path: Path) -> Path:
     return index if index.is_file() else path / "model.safetensors"
 
 
-def load_folder(folder: str):
-    """The model and tokenizer of a folder written by ``train``, loaded with hf_relpos' installed classes (no code
-    from the folder runs); a UserError (one line) says what is wrong with any other or with a damaged one."""
-    path = check_folder(folder)
+def load_folder(folder: str, encoder_decoder: bool = False):
+    """The model and tokenizer of a folder written by ``train`` (``encoder_decoder``: or an encoder-decoder's, as
+    RelPosForConditionalGeneration), loaded with hf_relpos' installed classes (no code from the folder runs); a
+    UserError (one line) says what is wrong with any other or with a damaged one."""
+    path = check_folder(folder, encoder_decoder)
     from safetensors import SafetensorError
     from transformers import PreTrainedTokenizerFast
 
     from ..configuration_relpos import RelPosConfig
-    from ..modeling_relpos import RelPosForCausalLM
+    from ..modeling_relpos import RelPosForCausalLM, RelPosForConditionalGeneration
 
     try:
         config = RelPosConfig.from_pretrained(path, local_files_only=True)
@@ -486,7 +488,8 @@ def load_folder(folder: str):
         raise UserError(f"{path / 'tokenizer.json'} cannot be loaded ({type(error).__name__}: {one_line(error)})") from error
     weights = _weights_file(path)
     try:
-        model, info = RelPosForCausalLM.from_pretrained(
+        cls = RelPosForConditionalGeneration if config.is_encoder_decoder else RelPosForCausalLM
+        model, info = cls.from_pretrained(
             path, config=config, local_files_only=True, use_safetensors=True, output_loading_info=True,
             ignore_mismatched_sizes=True,  # reported below by name, instead of Transformers' RuntimeError
         )

@@ -1,0 +1,342 @@
+"""``hf-relpos serve``: Transformers' OpenAI-compatible server over an hf_relpos folder, driven by a real HTTP client.
+
+Two tiny random folders (a decoder-only one with a learned position table of 64 and a chat template; an
+encoder-decoder without one), each served by ``python -m hf_relpos.cli serve`` in a subprocess bound to 127.0.0.1 on
+a free port (``--port 0``), started once per module and always stopped here (SIGINT, then a kill after a timeout).
+Every answer is compared with ``model.generate`` on the same prompt in this process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="hf-relpos serve needs the serve extra (fastapi, uvicorn, openai)")
+pytest.importorskip("uvicorn", reason="hf-relpos serve needs the serve extra (fastapi, uvicorn, openai)")
+pytest.importorskip("openai", reason="hf-relpos serve needs the serve extra (fastapi, uvicorn, openai)")
+
+import torch  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+
+import hf_relpos_cli  # noqa: E402
+from hf_relpos import RelPosConfig, RelPosForCausalLM, RelPosForConditionalGeneration  # noqa: E402
+from hf_relpos.commands.common import load_folder  # noqa: E402
+from hf_relpos.data import embedded_corpus, train_tokenizer  # noqa: E402
+
+torch.set_num_threads(1)
+
+TABLE = 64  # the decoder-only folder's learned position table
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = ["The for statement", "def f(x):", "import os", "A list is", "while True", "class A", "x = [1, 2]",
+           "print(", "The module", "Return the", "If the", "lambda", "try:", "yield", "with open", "An iterator"]
+START_TIMEOUT = 120  # seconds for a server to load and bind (imports torch and Transformers on a busy 2-core CI)
+REQUEST_TIMEOUT = 60
+
+
+def _tokenizer():
+    return train_tokenizer([embedded_corpus()["train"][:20000]], vocab_size=300)
+
+
+def _save(model, tokenizer, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tokenizer = _tokenizer()
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 vocab_size=len(tokenizer), initializer_range=0.3, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    causal = RelPosForCausalLM(RelPosConfig(position_encoding="learned", max_position_embeddings=TABLE, **sizes))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    decoder = _save(causal, tokenizer, root / "decoder")
+    tokenizer.chat_template = None
+    torch.manual_seed(1)
+    seq2seq = RelPosForConditionalGeneration(RelPosConfig(
+        position_encoding="t5_bias", is_encoder_decoder=True, num_decoder_layers=2,
+        decoder_start_token_id=tokenizer.pad_token_id, **sizes))
+    return {"decoder": decoder, "seq2seq": _save(seq2seq, tokenizer, root / "seq2seq")}
+
+
+class Server:
+    """``hf-relpos serve FOLDER --port 0`` in a subprocess; ``url`` once it printed where it listens."""
+
+    def __init__(self, folder: Path, log_dir: Path, *extra: str):
+        self.out, self.err = log_dir / f"{folder.name}.out", log_dir / f"{folder.name}.err"
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "hf_relpos.cli", "serve", str(folder), "--host", "127.0.0.1", "--port", "0",
+                 "--max-tokens", "32", *extra],
+                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                # a shell that started the tests in the background left SIGINT ignored: the server must get it
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
+        self.url = None
+
+    def wait(self) -> "Server":
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            text = self.out.read_text()
+            if "http://" in text:
+                self.url = text.split("http://", 1)[1].split()[0].rsplit("/v1", 1)[0]
+                self.url = "http://" + self.url
+                self.port = int(self.url.rsplit(":", 1)[1])
+                return self
+            if self.process.poll() is not None:
+                pytest.fail(f"the server exited ({self.process.returncode}): {self.err.read_text()[-2000:]}")
+            time.sleep(0.2)
+        self.stop()
+        pytest.fail(f"the server did not start in {START_TIMEOUT} s: {self.err.read_text()[-2000:]}")
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return self.process.returncode
+
+
+def request(server: Server, path: str, body=None, raw: bytes | None = None):
+    """(status, parsed JSON or the SSE text) of one request."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(server.url + path, data=data, method="POST" if data is not None else "GET",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    if text.startswith("data:"):
+        return status, text
+    return status, json.loads(text)
+
+
+@pytest.fixture(scope="module")
+def servers(folders, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("serve-logs")
+    started = {name: Server(folder, logs) for name, folder in folders.items()}
+    try:
+        yield {name: server.wait() for name, server in started.items()}
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def references(folders):
+    """``model.generate`` (greedy) on each folder's model as the server loads it, with the server's eos and pad."""
+    loaded = {}
+    for name, folder in folders.items():
+        model, tokenizer = load_folder(str(folder), encoder_decoder=True)
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            decoder_start_token_id=model.config.decoder_start_token_id if model.config.is_encoder_decoder else None)
+        loaded[name] = (model, tokenizer)
+
+    def generate(name: str, prompt=None, max_new_tokens: int = 8, ids=None):
+        model, tokenizer = loaded[name]
+        inputs = tokenizer(prompt, return_tensors="pt") if ids is None else {"input_ids": torch.tensor([ids])}
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        start = 1 if model.config.is_encoder_decoder else inputs["input_ids"].shape[1]  # after the start token
+        return tokenizer.decode(out[0, start:], skip_special_tokens=True), out.shape[1] - start
+
+    generate.tokenizers = {name: tokenizer for name, (_, tokenizer) in loaded.items()}
+    return generate
+
+
+def completion(server, prompt, max_tokens=8, **extra):
+    return request(server, "/v1/completions", {"model": Path(server.out).stem, "prompt": prompt,
+                                               "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+@pytest.mark.parametrize("name", ["decoder", "seq2seq"])
+def test_completions_equal_generate_and_stream_the_same_text(servers, references, name):
+    server = servers[name]
+    for prompt in PROMPTS[:3]:
+        status, answer = completion(server, prompt)
+        assert status == 200, answer
+        expected, generated = references(name, prompt)
+        assert answer["choices"][0]["text"] == expected
+        assert answer["usage"]["completion_tokens"] == generated
+        assert answer["model"].startswith(name)
+    status, sse = completion(server, PROMPTS[0], stream=True)
+    assert status == 200
+    chunks = [json.loads(line[len("data: "):]) for line in sse.splitlines() if line.startswith("data: {")]
+    streamed, (expected, generated) = "".join(c["choices"][0]["text"] for c in chunks), references(name, PROMPTS[0])
+    # Transformers' stream decodes token by token (tokenizers' DecodeStream), which holds back the bytes of a
+    # character not yet complete: a random model's answer may end inside one, which decode() shows as U+FFFD.
+    assert expected.startswith(streamed) and set(expected[len(streamed):]) <= {"\ufffd"}, (streamed, expected)
+    assert len(streamed) >= len(expected.rstrip("\ufffd")) and chunks[-1]["usage"]["completion_tokens"] == generated
+
+
+def test_an_encoder_decoder_answers_with_its_decoder_output_not_the_prompt_cut(servers, references):
+    """Transformers cuts the prompt's length off generate's output, as for a decoder-only model: for an
+    encoder-decoder that dropped the first tokens of the answer (or all of them)."""
+    prompt = "The module defines a class for each kind of statement"  # longer than the answer
+    status, answer = completion(servers["seq2seq"], prompt, max_tokens=6)
+    expected, generated = references("seq2seq", prompt, max_new_tokens=6)
+    assert status == 200 and generated > 0
+    assert answer["choices"][0]["text"] == expected and answer["usage"]["completion_tokens"] == generated
+
+
+def test_sixteen_concurrent_clients_each_get_their_own_answer(servers, references):
+    server = servers["decoder"]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda p: completion(server, p, max_tokens=6), PROMPTS))
+    for prompt, (status, answer) in zip(PROMPTS, answers):
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == references("decoder", prompt, max_new_tokens=6)[0], prompt
+
+
+def test_malformed_requests_get_a_4xx_json_error_and_serving_goes_on(servers, references):
+    server = servers["decoder"]
+    long_prompt = " ".join(["statement"] * TABLE)
+    bad = [
+        (None, b"{not json", 400, None),
+        (None, b"[1, 2]", 400, None),
+        ({"model": "another", "prompt": "x"}, None, 404, "model"),
+        ({"prompt": "x", "max_tokens": -1}, None, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": "8"}, None, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 33}, None, 400, "max_tokens"),  # over --max-tokens 32
+        ({"prompt": long_prompt, "max_tokens": 4}, None, 400, "prompt"),  # past the learned table of 64
+        ({"prompt": "The for statement", "max_tokens": 32, "stop": 5}, None, 400, "stop"),
+        ({"prompt": ["a", "b"]}, None, 400, "prompt"),
+        ({"prompt": ""}, None, 400, "prompt"),
+        ({"prompt": "x", "temperature": -1}, None, 400, "temperature"),
+        ({"prompt": "x", "stream": "yes"}, None, 400, "stream"),
+        ({"prompt": "x", "no_such_field": 1}, None, 422, None),
+    ]
+    expected = references("decoder", "import os", max_new_tokens=4)[0]
+    for body, raw, status, param in bad:
+        got, answer = request(server, "/v1/completions", body, raw=raw)
+        assert got == status, (body or raw, answer)
+        assert set(answer) == {"error"} and answer["error"]["message"], answer
+        assert answer["error"]["type"] == "invalid_request_error"
+        if param:
+            assert answer["error"]["param"] == param, answer
+        ok, good = completion(server, "import os", max_tokens=4)
+        assert ok == 200 and good["choices"][0]["text"] == expected, (body or raw, good)
+    # a prompt whose answer would run past the table: 400 when max_tokens asks for it, cut to the table without
+    ids = references.tokenizers["decoder"](long_prompt)["input_ids"][: TABLE - 3]
+    prompt = references.tokenizers["decoder"].decode(ids)
+    n = len(references.tokenizers["decoder"](prompt)["input_ids"])
+    assert request(server, "/v1/completions", {"prompt": prompt, "max_tokens": TABLE - n + 1})[0] == 400
+    status, answer = request(server, "/v1/completions", {"prompt": prompt, "temperature": 0})
+    assert status == 200 and answer["choices"][0]["text"] == references("decoder", prompt, TABLE - n)[0]
+    assert request(servers["decoder"], "/v1/responses", {"input": "x"})[0] == 404
+
+
+def test_models_and_health(servers):
+    for name, server in servers.items():
+        assert request(server, "/health") == (200, {"status": "ok"})
+        status, models = request(server, "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == [name]
+
+
+def test_chat_completions_with_a_template_and_a_clear_4xx_without(servers, references):
+    messages = [{"role": "user", "content": "What does the for statement do?"}]
+    status, answer = request(servers["decoder"], "/v1/chat/completions",
+                             {"messages": messages, "max_tokens": 6, "temperature": 0})
+    assert status == 200, answer
+    tokenizer = references.tokenizers["decoder"]
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    expected = references("decoder", ids=ids["input_ids"], max_new_tokens=6)[0]
+    assert answer["choices"][0]["message"]["content"] == expected
+    status, answer = request(servers["seq2seq"], "/v1/chat/completions", {"messages": messages})
+    assert status == 400 and answer["error"]["code"] == "no_chat_template", answer
+    status, answer = request(servers["decoder"], "/v1/chat/completions", {"messages": "hello"})
+    assert status == 400 and answer["error"]["param"] == "messages"
+
+
+def test_continuous_batching_answers_sixteen_concurrent_clients_as_generate(folders, references, tmp_path):
+    """--continuous-batching: Transformers' paged-cache manager runs the requests packed together; each answer (plain
+    and streamed) is still the one greedy generate gives that prompt alone."""
+    server = Server(folders["decoder"], tmp_path, "--continuous-batching", "--cb-block-size", "16",
+                    "--cb-num-blocks", "64").wait()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda p: completion(server, p, max_tokens=6), PROMPTS))
+        for prompt, (status, answer) in zip(PROMPTS, answers):
+            assert status == 200, answer
+            assert answer["choices"][0]["text"] == references("decoder", prompt, max_new_tokens=6)[0], prompt
+        status, sse = completion(server, PROMPTS[1], max_tokens=6, stream=True)
+        chunks = [json.loads(line[len("data: "):]) for line in sse.splitlines() if line.startswith("data: {")]
+        streamed, expected = "".join(c["choices"][0]["text"] for c in chunks), references("decoder", PROMPTS[1], 6)[0]
+        assert status == 200 and expected.startswith(streamed) and set(expected[len(streamed):]) <= {"\ufffd"}
+        assert request(server, "/health") == (200, {"status": "ok"})
+    finally:
+        assert server.stop() == 0, server.err.read_text()[-2000:]
+
+
+def test_sigint_stops_the_server_cleanly(servers):
+    """Last in the file: it stops the module's servers. Exit 0, the port free again, no traceback."""
+    for server in servers.values():
+        assert server.stop() == 0, server.err.read_text()[-2000:]
+        err = server.err.read_text()
+        assert "Traceback" not in err and "stopped" in err, err[-2000:]
+        with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+            sock.connect(("127.0.0.1", server.port))  # nothing listens there now
+        with socket.socket() as sock:  # and a new server can bind it (its old connections may be in TIME_WAIT)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", server.port))
+
+
+def test_not_a_model_folder_is_one_line_before_binding(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert hf_relpos_cli.main(["serve", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-relpos serve: error: ") and "relpos" in err and "\n" not in err
+    with pytest.raises(SystemExit) as stop:
+        hf_relpos_cli.main(["serve", str(tmp_path), "--port", "70000"])
+    assert stop.value.code == 2 and "--port" in capsys.readouterr().err
+    assert hf_relpos_cli.main(["serve", str(tmp_path), "--cb-num-blocks", "8"]) == 2
+    assert "--cb-num-blocks" in capsys.readouterr().err
+    assert hf_relpos_cli.main(["serve", str(tmp_path), "--device", "no-such-device"]) == 2
+    assert "--device 'no-such-device'" in capsys.readouterr().err
+
+
+def test_a_taken_port_is_one_line(folders, capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        assert hf_relpos_cli.main(["serve", str(folders["decoder"]), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-relpos serve: error: --port") and "in use" in err and "\n" not in err
+
+
+def test_continuous_batching_refuses_an_encoder_decoder_and_transformer_xl_memory(folders, tmp_path, capsys):
+    assert hf_relpos_cli.main(["serve", str(folders["seq2seq"]), "--continuous-batching"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--continuous-batching" in err and "encoder-decoder" in err and "\n" not in err
+    tokenizer = _tokenizer()
+    config = RelPosConfig(position_encoding="transformer_xl", mem_len=8, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=4, vocab_size=len(tokenizer))
+    folder = _save(RelPosForCausalLM(config), tokenizer, tmp_path / "txl")
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert hf_relpos_cli.main(["serve", str(folder), "--continuous-batching"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--continuous-batching" in err and "mem_len=8" in err and "\n" not in err
