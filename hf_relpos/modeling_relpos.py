@@ -1244,7 +1244,18 @@ class RelPosCrossDecoder(RelPosModel):
 # ----------------------------------------------------------------------------------
 
 
-class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
+class RelPosGenerationMixin(GenerationMixin):
+    """``GenerationMixin`` whose model inputs leave out what ``generate`` keeps for its own use: its decoding loop
+    (``_sample``) takes ``tokenizer`` / ``assistant_tokenizer`` (given for ``stop_strings``) into the model
+    keyword arguments, which upstream forwards swallow in ``**kwargs`` and ours, naming all they take, refuse."""
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        for name in ("tokenizer", "assistant_tokenizer"):
+            kwargs.pop(name, None)
+        return super().prepare_inputs_for_generation(*args, **kwargs)
+
+
+class RelPosForCausalLM(RelPosPreTrainedModel, RelPosGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: RelPosConfig):
@@ -1442,7 +1453,7 @@ class RelPosForSequenceClassification(RelPosPreTrainedModel):
         )
 
 
-class RelPosForConditionalGeneration(RelPosPreTrainedModel, GenerationMixin):
+class RelPosForConditionalGeneration(RelPosPreTrainedModel, RelPosGenerationMixin):
     """An encoder-decoder in T5's layout: one token table (``shared``) for the encoder, the decoder and (with
     ``tie_word_embeddings``) the output layer; a bidirectional encoder and a causal decoder (``RelPosModel``
     stacks, each with its own position parameters: T5's one bias table per stack); the decoder's layers

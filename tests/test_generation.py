@@ -21,6 +21,7 @@ from tiny import (
     padding_mask,
     rand_ids,
     use_impl,
+    VOCAB,
 )
 from transformers import StaticCache
 
@@ -303,3 +304,29 @@ def test_transformer_xl_static_cache_with_memory_and_clamp():
             out = model(ids[:, start : start + size], past_key_values=cache, use_cache=True)
             assert_close(out.logits, full[:, start : start + size], what=f"tokens {start}:{start + size}")
             start += size
+
+
+@pytest.mark.parametrize("seq2seq", [False, True], ids=["causal", "seq2seq"])
+def test_stop_strings_with_a_tokenizer(seq2seq):
+    """``generate(stop_strings=..., tokenizer=...)``: generate leaves the tokenizer in the model keyword arguments,
+    which the forward refused (TypeError). Stops where the stop string is first produced, as its criterion says."""
+    from hf_relpos import RelPosForConditionalGeneration
+    from hf_relpos.data import train_tokenizer
+    from tiny import make_model
+
+    text = "the cat sat on the mat and the dog ran to the cat " * 20
+    tokenizer = train_tokenizer([text], vocab_size=VOCAB)
+    if seq2seq:
+        model = make_model(RelPosForConditionalGeneration, "t5_bias", "eager", 0, preset="seq2seq")
+    else:
+        model = build("alibi")
+    prompt = rand_ids(1, 5, seed=3)
+    free = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    answer = free[0] if seq2seq else free[0, prompt.shape[1]:]
+    # A stop string made of the third generated token's text: generation must end right after that token.
+    stop = tokenizer.decode(answer[2:3])
+    assert stop.strip(), f"token {answer[2].item()} decodes to blank text; pick another seed"
+    first = next(i for i in range(len(answer)) if stop in tokenizer.decode(answer[: i + 1]))
+    stopped = model.generate(prompt, max_new_tokens=8, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    got = stopped[0] if seq2seq else stopped[0, prompt.shape[1]:]
+    assert got.tolist() == answer[: first + 1].tolist()
