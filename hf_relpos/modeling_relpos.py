@@ -1180,6 +1180,42 @@ class RelPosModel(RelPosPreTrainedModel):
             return states[:, -self.config.mem_len :].detach()
 
 
+def _request_refusal(prompt: int, max_new_tokens, limit: Optional[int], encoding: str) -> Optional[str]:
+    """Why a continuous-batching request of ``prompt`` tokens and ``max_new_tokens`` cannot run (None when it can):
+    an empty prompt (its step would have no row to read the next token from), or one that runs past an absolute
+    position table of ``limit`` positions (``generate`` raises at the same position)."""
+    if prompt == 0:
+        return "input_ids is an empty prompt: a request needs at least one token to continue from (a BOS token)"
+    if limit is None:
+        return None
+    last = prompt - 1 + max(int(max_new_tokens or 0) - 1, 0)  # the last token fed to the model (the final one is not)
+    if last < limit:
+        return None
+    answer = f" and max_new_tokens={max_new_tokens}" if max_new_tokens else ""
+    return (
+        f"a prompt of {prompt} tokens{answer} needs position {last}, past max_position_embeddings={limit} of the "
+        f"{encoding!r} position table: prompt plus max_new_tokens may be at most {limit + 1} tokens"
+    )
+
+
+def _check_requests(manager, add_request, limit: Optional[int], encoding: str):
+    """``add_request`` refusing a request that cannot run (``_request_refusal``), at the caller: its step's forward
+    would raise in the manager's thread, which then fails every request and stops."""
+    signature = inspect.signature(add_request)
+
+    def checked(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        new = bound.arguments.get("max_new_tokens")
+        new = manager.generation_config.max_new_tokens if new is None else new
+        refusal = _request_refusal(len(bound.arguments["input_ids"]), new, limit, encoding)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return add_request(*args, **kwargs)
+
+    checked._relpos_checked = True
+    return checked
+
+
 def _attn_implementation(config) -> str:
     """The config's attention implementation; continuous batching's ``paged|eager`` is our eager path (the paged
     cache is updated by the attention layer itself, for every implementation)."""
@@ -1307,7 +1343,25 @@ class RelPosForCausalLM(RelPosPreTrainedModel, GenerationMixin):
         refusal = continuous_batching_refusal(self.config)
         if refusal is not None:
             raise ValueError(f"{type(self).__name__} cannot use continuous batching (generate_batch): {refusal}")
-        return super().init_continuous_batching(*args, **kwargs)
+        manager = super().init_continuous_batching(*args, **kwargs)
+        if not getattr(manager.add_request, "_relpos_checked", False):
+            limit = getattr(self.model.position, "max_positions", None)
+            manager.add_request = _check_requests(manager, manager.add_request, limit, self.config.position_encoding)
+        return manager
+
+    def generate_batch(self, inputs, generation_config=None, *args, **kwargs):
+        """Transformers' ``generate_batch``, with the requests that cannot run (an empty prompt, one past an absolute
+        position table) refused before any runs (Transformers' own logs an error raised while adding requests and
+        returns no result)."""
+        limit = getattr(self.model.position, "max_positions", None)
+        config = self.generation_config if generation_config is None else generation_config
+        new = kwargs.get("max_new_tokens")
+        new = config.max_new_tokens if new is None else new
+        for index, prompt in enumerate(inputs):
+            refusal = _request_refusal(len(prompt), new, limit, self.config.position_encoding)
+            if refusal is not None:
+                raise ValueError(f"generate_batch: inputs[{index}]: {refusal}")
+        return super().generate_batch(inputs, generation_config, *args, **kwargs)
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         # Transformers' generate before 5.24 reads an output named `mems` as the cache (XLNet's legacy); our

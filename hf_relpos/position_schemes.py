@@ -6,6 +6,7 @@ term; every attention layer hands queries, keys and values to ``scheme.attend``.
 function in ``functional.py``, one class here and one line in ``POSITION_SCHEMES``.
 """
 
+import ctypes
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -830,11 +831,18 @@ class TransformerXLRelative(nn.Module):
             whole = t.storage_offset() * t.element_size() % 8 == 0 and t.numel() * t.element_size() % 8 == 0
             return t.view(torch.uint8).view(torch.int64) if whole else t.view(torch.uint8)
 
+        def host(t):
+            # A numpy view of the memory, not Tensor.numpy(): that marks the storage non-resizable for good, and
+            # FSDP2 frees a layer's gathered weights after its forward by resizing their storage to 0.
+            ctype = ctypes.c_int64 if t.dtype == torch.int64 else ctypes.c_uint8
+            return np.ctypeslib.as_array((ctype * t.numel()).from_address(t.data_ptr()))
+
         def same(k, w):
             if k.shape != w.shape or k.dtype != w.dtype or k.device != w.device:
                 return False
             if w.device.type == "cpu":
-                return bool(np.array_equal(words(k).numpy(), words(w).numpy()))
+                k, w = words(k), words(w)  # kept alive while numpy reads their memory
+                return k.numel() == 0 or bool(np.array_equal(host(k), host(w)))
             return torch.equal(words(k), words(w))
 
         return len(kept) == len(weights) and all(same(k, w) for k, w in zip(kept, weights))

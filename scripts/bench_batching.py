@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SCHEMES = ["t5_bias", "shaw", "alibi", "rope"]
+# "llama": upstream LlamaForCausalLM of the same size (RoPE, plain attention), the reference in the same run.
+SCHEMES = ["t5_bias", "shaw", "alibi", "rope", "llama"]
 SIZE = dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, intermediate_size=512, vocab_size=512)
 
 
@@ -41,6 +42,17 @@ def requests(count: int, seed: int) -> tuple[list[list[int]], list[int]]:
 def build(scheme: str):
     from hf_relpos import RelPosConfig, RelPosForCausalLM
 
+    if scheme == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            num_key_value_heads=SIZE["num_attention_heads"], max_position_embeddings=256, pad_token_id=0,
+            bos_token_id=1, eos_token_id=None, initializer_range=0.1, **SIZE,
+        )
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        model.set_attn_implementation("sdpa")
+        return model
     config = RelPosConfig(
         position_encoding=scheme, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=None,
         initializer_range=0.1, **SIZE,
@@ -152,7 +164,7 @@ def main(argv=None) -> None:
         "",
         f"{args.requests} requests (seed {args.seed}): prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
         f"tokens, answers of {min(answers)}-{max(answers)} tokens ({wanted} in all), greedy. Model: RelPosForCausalLM "
-        f"{SIZE}, sdpa, float32. Continuous batching: page_size={args.page_size}, num_blocks={args.num_blocks}, "
+        f"{SIZE}, sdpa, float32 (\"llama\": upstream LlamaForCausalLM of the same size, the reference). Continuous batching: page_size={args.page_size}, num_blocks={args.num_blocks}, "
         f"max_batch_tokens={args.max_batch_tokens}, max_requests_per_batch={args.max_requests_per_batch}, "
         "each request its own max_new_tokens. Padded: one generate, left padding, max_new_tokens = the longest "
         f"answer. Tokens/s = the {wanted} answer tokens / wall time; medians of {args.repeats} interleaved repeats. "

@@ -2,6 +2,7 @@
 the tokens that greedy ``generate`` gives it alone, and each packed step's logits equal the request's own forward,
 for every causal scheme under eager and sdpa; the models that cannot take part are refused in one line."""
 
+import math
 import time
 
 import pytest
@@ -222,3 +223,159 @@ def test_functional_relative_position_equals_the_band():
     band = F.transformer_xl_attention(q[:, :, :Q], k, v, r, u, w, is_causal=True)
     explicit = F.transformer_xl_attention(q[:, :, :Q], k, v, r, u, w, is_causal=True, relative_position=relative)
     torch.testing.assert_close(band, explicit, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scheme", ["learned", "sinusoidal"])
+def test_request_past_the_position_table_is_refused_alone(scheme):
+    """A request whose prompt, or prompt and answer, runs past an absolute position table is refused where it is
+    added, in one line naming max_position_embeddings; the manager goes on and the other requests get generate's
+    tokens (the step's forward would raise in the manager's thread, which fails every request and stops)."""
+    model = build(scheme, impl="sdpa")  # max_position_embeddings=64
+    fits, long_prompt, long_answer = [3, 4, 5], list(range(2, 60)) + [7] * 12, list(range(2, 60))
+    config = GenerationConfig(do_sample=False, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"inputs\[1\]: a prompt of 70 tokens .*max_position_embeddings=64") as error:
+        model.generate_batch(inputs=[fits, long_prompt], generation_config=config)
+    assert "\n" not in str(error.value)
+    cb = ContinuousBatchingConfig(**CB_CONFIG)
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb, warmup=False
+    ) as manager:
+        for prompt, n in ((long_prompt, 1), (long_answer, 8)):
+            with pytest.raises(ValueError, match=rf"max_new_tokens={n} needs position \d+, past max_position_embeddings"):
+                manager.add_request(prompt, max_new_tokens=n)
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in ((fits, 4), (long_answer, 7))]  # 58 + 7 fits
+        results = {}
+        deadline = time.monotonic() + 60
+        while len(results) < len(ids) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+        assert manager.is_running()
+    for request_id, (prompt, n) in zip(ids, ((fits, 4), (long_answer, 7))):
+        assert results[request_id].error is None, results[request_id].error
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt) :]
+        assert results[request_id].generated_tokens == expected.tolist()
+
+
+def _t5_bucket(d: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """T5's bucket of the distance ``d = j - i`` (Raffel et al. 2020, as in Mesh TensorFlow), on Python ints."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket, n = (num_buckets if d > 0 else 0), abs(d)
+    else:
+        n = max(-d, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return bucket + n
+    large = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    return bucket + min(large, num_buckets - 1)
+
+
+def test_functional_relative_position_equals_the_paper_formulas():
+    """Each term given explicit, packed positions (two requests in one row, the second with a past: not a band)
+    equals a float64 oracle written from the papers' formulas pair by pair, in value and in gradient; a
+    relative_position that is not an integer [Q, K] tensor is refused."""
+    from hf_relpos import functional as F
+
+    g = torch.Generator().manual_seed(3)
+    f64 = dict(dtype=torch.float64)
+    H, D, k_clip = 2, 4, 3
+    # request A: positions 0..3 (4 keys, 2 new queries at 2, 3); request B: positions 5..9 (5 keys, 3 queries at 7..9)
+    key_pos, key_req = [0, 1, 2, 3, 5, 6, 7, 8, 9], [0] * 4 + [1] * 5
+    query_pos, query_req = [2, 3, 7, 8, 9], [0, 0, 1, 1, 1]
+    Q, K = len(query_pos), len(key_pos)
+    rel = torch.tensor([[kp - qp for kp in key_pos] for qp in query_pos])
+    allowed = [[kr == qr and kp <= qp for kp, kr in zip(key_pos, key_req)] for qp, qr in zip(query_pos, query_req)]
+    mask = torch.tensor(allowed)[None, None]
+    leaf = lambda *shape: torch.randn(*shape, generator=g, **f64).requires_grad_()  # noqa: E731
+
+    def check(term, oracle, params):
+        got, expected = term(), oracle()
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        cotangent = torch.randn(got.shape, generator=g, **f64)
+        grads = torch.autograd.grad((got * cotangent).sum(), params, allow_unused=True)
+        oracle_grads = torch.autograd.grad((oracle() * cotangent).sum(), params, allow_unused=True)
+        for a, b in zip(grads, oracle_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+    pairs = [(i, j, int(rel[i, j])) for i in range(Q) for j in range(K)]
+    for bidirectional in (False, True):
+        weight = leaf(8, H)
+        check(lambda: F.t5_position_bias(weight, Q, K, bidirectional=bidirectional, max_distance=6, relative_position=rel),
+              lambda: torch.stack([weight[_t5_bucket(d, bidirectional, 8, 6)] for _, _, d in pairs]).T.reshape(1, H, Q, K),
+              [weight])
+    slopes = leaf(H)
+    check(lambda: F.alibi_bias(slopes, Q, K, relative_position=rel),
+          lambda: torch.stack([-slopes * abs(d) for _, _, d in pairs]).T.reshape(1, H, Q, K), [slopes])
+    r1, r2 = (torch.rand(H, generator=g, **f64).add(0.1).requires_grad_() for _ in range(2))
+    check(lambda: F.kerple_log_bias(r1, r2, Q, K, relative_position=rel),
+          lambda: torch.stack([-r1 * torch.log(1 + r2 * abs(d)) for _, _, d in pairs]).T.reshape(1, H, Q, K), [r1, r2])
+    torch.testing.assert_close(
+        F.log_decay_bias(Q, K, scale=0.7, relative_position=rel, **f64),
+        torch.tensor([[-0.7 * math.log(1 + abs(int(d))) for d in row] for row in rel], **f64), rtol=1e-12, atol=1e-12)
+    w1, b1, w2, b2 = leaf(6, 1), leaf(6), leaf(H, 6), leaf(H)
+    c, threshold = torch.tensor(0.3, **f64, requires_grad=True), torch.tensor(4.0, **f64, requires_grad=True)
+    positions = torch.tensor([query_pos])
+
+    def fire_oracle():  # f(ψ(i - j) / ψ(max(L, i))), ψ(x) = log(1 + |c x|), f a ReLU MLP (Li et al. 2024)
+        psi = lambda x: torch.log(1 + (c * x).abs())  # noqa: E731
+        out = [w2 @ torch.relu(w1[:, 0] * psi(torch.tensor(float(-d), **f64)) / (psi(torch.maximum(
+               torch.tensor(float(query_pos[i]), **f64), threshold)) + 1e-6) + b1) + b2 for i, _, d in pairs]
+        return torch.stack(out).T.reshape(1, H, Q, K)
+
+    check(lambda: F.fire_bias(w1, b1, w2, b2, c, threshold, Q, K, positions=positions, relative_position=rel),
+          fire_oracle, [w1, b1, w2, b2, c, threshold])
+
+    q, k, v = leaf(1, H, Q, D), leaf(1, H, K, D), leaf(1, H, K, D)
+
+    def attend(scores, values):  # softmax over the allowed keys of each query (its own request, not after it)
+        out = torch.zeros(1, H, Q, D, **f64)
+        rows = []
+        for i in range(Q):
+            keys = [j for j in range(K) if allowed[i][j]]
+            a = torch.softmax(torch.stack([scores(i, j) for j in keys], -1), -1)  # [H, n]
+            rows.append(sum(a[:, n, None] * values(i, j) for n, j in enumerate(keys)))
+        return out + torch.stack(rows, 1)[None]
+
+    rel_k, rel_v = leaf(2 * k_clip + 1, D), leaf(2 * k_clip + 1, D)
+    clip = lambda d: max(-k_clip, min(k_clip, d)) + k_clip  # noqa: E731
+    check(lambda: F.shaw_attention(q, k, v, rel_k, rel_v, max_relative_position=k_clip, is_causal=True,
+                                   attention_mask=mask, relative_position=rel),
+          lambda: attend(lambda i, j: ((q[0, :, i] * k[0, :, j]).sum(-1) + q[0, :, i] @ rel_k[clip(int(rel[i, j]))]) / D**0.5,
+                         lambda i, j: v[0, :, j] + rel_v[clip(int(rel[i, j]))]),
+          [q, k, v, rel_k, rel_v])
+    R = 4  # distances 0 .. 3; farther ones read distance 3 (clamp_len)
+    r, u, w = leaf(H, R, D), leaf(H, D), leaf(H, D)
+    check(lambda: F.transformer_xl_attention(q, k, v, r, u, w, attention_mask=mask, is_causal=True,
+                                             relative_position=rel),
+          lambda: attend(lambda i, j: (((q[0, :, i] + u) * k[0, :, j]).sum(-1) + ((q[0, :, i] + w) * r[:, R - 1 - min(
+              -int(rel[i, j]), R - 1)]).sum(-1)) / D**0.5, lambda i, j: v[0, :, j]),
+          [q, k, v, r, u, w])
+
+    for bad, error in ((rel.double(), TypeError), (rel.bool(), TypeError), (rel[:, :-1], ValueError), (rel.tolist(), TypeError)):
+        with pytest.raises(error, match="relative_position must be"):
+            F.alibi_bias(slopes, Q, K, relative_position=bad)
+
+
+def test_empty_prompt_is_refused_alone():
+    """An empty prompt is refused where it is added (its step had no row to read a token from: the manager's thread
+    raised and failed every request); the other requests get generate's tokens."""
+    model = build("t5_bias", impl="sdpa")
+    config = GenerationConfig(do_sample=False, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"inputs\[0\]: input_ids is an empty prompt") as error:
+        model.generate_batch(inputs=[[], [3, 4]], generation_config=config)
+    assert "\n" not in str(error.value)
+    cb = ContinuousBatchingConfig(**CB_CONFIG)
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb, warmup=False
+    ) as manager:
+        with pytest.raises(ValueError, match=r"input_ids is an empty prompt"):
+            manager.add_request([], max_new_tokens=3)
+        request_id = manager.add_request([3, 4], max_new_tokens=3)
+        result, deadline = None, time.monotonic() + 60
+        while (result is None or not result.is_finished()) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+    assert result is not None and result.error is None, result
+    assert result.request_id == request_id
+    assert result.generated_tokens == model.generate(torch.tensor([[3, 4]]), max_new_tokens=3, do_sample=False)[0, 2:].tolist()

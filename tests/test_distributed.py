@@ -370,3 +370,27 @@ def test_hf_relpos_train_under_torchrun(tmp_path, scheme):
     assert run["processes"] == 2, "the ranks trained alone instead of as one DDP job"
     assert run["steps"] == 4 and math.isfinite(run["test_ppl"])
     assert (out / "model.safetensors").is_file() and not list(out.glob("*.bin"))
+
+
+def test_hf_relpos_train_under_accelerate_launch_on_cpu(tmp_path):
+    """The documented CPU recipe: ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2`` starts two
+    ranks that train as one DDP job (``--cpu`` alone would start one process)."""
+    pytest.importorskip("accelerate")
+    port = free_port()
+    env = torchrun_env(tmp_path, ACCELERATE_USE_CPU="1")
+    out = tmp_path / "model"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+        "-m", "hf_relpos.cli", "train", "--position-encoding", "alibi", "--steps", "4", "--seq-len", "32",
+        "--batch-size", "4", "--vocab-size", "300", "--eval-tokens", "300", "--output-dir", str(out), "--quiet",
+    ]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"accelerate launch exit code {proc.returncode}:\n{readable(log)}"
+    assert not gloo_threads_at_exit(tmp_path, 2), gloo_threads_at_exit(tmp_path, 2)
+    run = json.loads((out / "hf_relpos_run.json").read_text())
+    assert run["processes"] == 2, "accelerate started one process, not a 2-rank job"
+    assert log.count("Saved to") == 1, "exactly one rank must write the model folder"
+    assert run["steps"] == 4 and math.isfinite(run["test_ppl"])

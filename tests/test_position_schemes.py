@@ -322,6 +322,25 @@ def test_transformer_xl_projection_cache_follows_any_weight_update(how):
         torch.testing.assert_close(model(ids).logits, fresh(ids).logits, rtol=0, atol=1e-6)
 
 
+def test_transformer_xl_projection_cache_leaves_the_weights_storage_resizable():
+    """The kept projections' key check reads W_{k,R} on the host without ``Tensor.numpy()``, which marks the
+    weight's storage non-resizable for good: FSDP2 frees each layer's gathered weights by resizing their storage
+    to 0, so inference of a sharded Transformer-XL on CPU raised "Trying to resize storage that is not
+    resizable" (tests/test_fsdp.py checks the sharded run itself)."""
+    model = build("transformer_xl")
+    ids = rand_ids(2, 8, seed=3)
+    with torch.no_grad():
+        expected = model(ids).logits  # fills each layer's cache
+        got = model(ids).logits  # and checks its key against the weights
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for layer in model.model.layers:
+        weight = layer.self_attn.relative.r_net.weight
+        storage = weight.untyped_storage()
+        size = storage.nbytes()
+        storage.resize_(0)  # what FSDP2 does to a gathered parameter after the layer's forward
+        storage.resize_(size)
+
+
 def test_log_decay_scale_beyond_float32_gives_finite_outputs():
     """A log_decay_scale past float32's range (the bias' compute dtype) attends each query to itself alone, as
     any scale large enough does, in every implementation and dtype: NaN logits with SDPA before."""
