@@ -227,6 +227,14 @@ def test_malformed_requests_get_a_4xx_json_error_and_serving_goes_on(servers, re
         ({"prompt": "x", "temperature": -1}, None, 400, "temperature"),
         ({"prompt": "x", "stream": "yes"}, None, 400, "stream"),
         ({"prompt": "x", "no_such_field": 1}, None, 422, None),
+        # OpenAI's fields Transformers' handlers ignore: answered 200 as if absent before (one choice for n=2)
+        ({"prompt": "x", "n": 2}, None, 400, "n"),
+        ({"prompt": "x", "logprobs": 2}, None, 400, "logprobs"),
+        ({"prompt": "x", "echo": True}, None, 400, "echo"),
+        ({"prompt": "x", "best_of": 3}, None, 400, "best_of"),
+        ({"prompt": "x", "logit_bias": {"5": 100}}, None, 400, "logit_bias"),
+        ({"prompt": "x", "presence_penalty": 1}, None, 400, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -1}, None, 400, "frequency_penalty"),  # a 500 from generate before
     ]
     expected = references("decoder", "import os", max_new_tokens=4)[0]
     for body, raw, status, param in bad:
@@ -286,6 +294,12 @@ def test_continuous_batching_answers_sixteen_concurrent_clients_as_generate(fold
         chunks = [json.loads(line[len("data: "):]) for line in sse.splitlines() if line.startswith("data: {")]
         streamed, expected = "".join(c["choices"][0]["text"] for c in chunks), references("decoder", PROMPTS[1], 6)[0]
         assert status == 200 and expected.startswith(streamed) and set(expected[len(streamed):]) <= {"\ufffd"}
+        # one generation config serves every request (the first one's): sampling is refused, greedy answers stay
+        for field, value in (("temperature", 1.0), ("top_p", 0.5), ("frequency_penalty", 0.5)):
+            status, answer = completion(server, PROMPTS[2], max_tokens=6, **{field: value})
+            assert status == 400 and answer["error"]["param"] == field, answer
+        status, answer = completion(server, PROMPTS[2], max_tokens=6)
+        assert status == 200 and answer["choices"][0]["text"] == references("decoder", PROMPTS[2], 6)[0]
         assert request(server, "/health") == (200, {"status": "ok"})
     finally:
         assert server.stop() == 0, server.err.read_text()[-2000:]

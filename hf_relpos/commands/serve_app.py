@@ -32,6 +32,11 @@ from .common import position_table
 DROPPED_ROUTES = ("/v1/responses", "/v1/systemone", "/v1/audio/transcriptions", "/load_model", "/reset")
 
 
+# OpenAI's request fields that Transformers' handlers accept and ignore, with the values that ask for nothing
+IGNORED_FIELDS = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+                  "top_logprobs": (None,), "presence_penalty": (None, 0), "logit_bias": (None, {})}
+
+
 def _refuse(status: int, message: str, param: str | None = None, code: str | None = None):
     raise HTTPException(status_code=status, detail={"message": message, "param": param, "code": code})
 
@@ -102,6 +107,7 @@ class _Checks:
     500 from ``generate`` (or a generation that runs past the model's position table)."""
 
     max_tokens_limit: int = 1024
+    continuous_batching: bool = False
     token_fields = ("max_tokens",)
 
     def _check(self, body: dict) -> None:
@@ -127,6 +133,25 @@ class _Checks:
                 _refuse(400, f"{field} must be a number from {low:g} to {high:g}, got {value!r}", field, "invalid_value")
         if body.get("top_p") == 0:
             _refuse(400, "top_p must be > 0, got 0", "top_p", "invalid_value")
+        if body.get("frequency_penalty") is not None and body["frequency_penalty"] <= -1:
+            _refuse(400, f"frequency_penalty must be above -1 (it is generate's repetition_penalty - 1), got "
+                         f"{body['frequency_penalty']!r}", "frequency_penalty", "invalid_value")
+        # OpenAI's fields that Transformers' handlers ignore (a warning in the log): refused, not answered as if
+        # absent (one choice for n=2, no logprobs, no echoed prompt)
+        for field, allowed in IGNORED_FIELDS.items():
+            if body.get(field) not in allowed:
+                _refuse(400, f"{field} {body[field]!r} is not supported by hf-relpos serve (leave it out)", field,
+                        "unsupported_value")
+        if self.continuous_batching:
+            # Transformers' continuous batching takes one generation config for all requests, the first one's: a
+            # sampled first request would make every later greedy one sample (and a greedy one ignore later sampling)
+            for field, asked in (("temperature", (body.get("temperature") or 0) > 0),
+                                 ("top_p", body.get("top_p") not in (None, 1)),
+                                 ("frequency_penalty", body.get("frequency_penalty") not in (None, 0))):
+                if asked:
+                    _refuse(400, f"{field} {body[field]!r}: with --continuous-batching this server answers greedily "
+                                 "(Transformers' continuous batching shares one sampling setting among all requests); "
+                                 "leave it out, or serve without --continuous-batching", field, "unsupported_value")
         if body.get("seed") is not None and type(body["seed"]) is not int:
             _refuse(400, f"seed must be an integer, got {body['seed']!r}", "seed", "invalid_value")
         if body.get("stream") is not None and type(body["stream"]) is not bool:
@@ -266,6 +291,7 @@ def build_app(name: str, model, tokenizer, *, continuous_batching: bool = False,
     completion = FolderCompletionHandler(model_manager=manager, generation_state=state)
     chat = FolderChatCompletionHandler(model_manager=manager, generation_state=state)
     completion.max_tokens_limit = chat.max_tokens_limit = max_tokens
+    completion.continuous_batching = chat.continuous_batching = continuous_batching
     app = build_server(manager, chat, completion_handler=completion, response_handler=None,
                        transcription_handler=None, systemone_handler=None, generation_state=state)
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in DROPPED_ROUTES]
