@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -316,6 +317,37 @@ def test_sigint_stops_the_server_cleanly(servers):
         with socket.socket() as sock:  # and a new server can bind it (its old connections may be in TIME_WAIT)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", server.port))
+
+
+def test_sigterm_with_requests_in_flight_answers_them_and_exits_cleanly(folders, tmp_path):
+    """SIGTERM (as Ctrl-C) while a plain and a streamed request are still generating: both are answered (cut where
+    the graceful shutdown ends), exit 0, no traceback. Before: uvicorn re-raised SIGTERM (exit -15, no cleanup), and a
+    request past the graceful wait was cancelled with a traceback while its generate ran on in its thread."""
+    server = Server(folders["seq2seq"], tmp_path, "--max-tokens", "100000").wait()
+    answers, started = {}, time.monotonic()
+
+    def ask(stream):
+        answers[stream] = completion(server, PROMPTS[0], max_tokens=100000, stream=stream)
+
+    clients = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    try:
+        for client in clients:
+            client.start()
+        time.sleep(1)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0, server.err.read_text()[-2000:]
+        for client in clients:
+            client.join(REQUEST_TIMEOUT)
+    finally:
+        server.stop()
+    err = server.err.read_text()
+    assert "Traceback" not in err and "stopped" in err, err[-2000:]
+    assert time.monotonic() - started < 30
+    status, answer = answers[False]
+    assert status == 200 and 0 < answer["usage"]["completion_tokens"] < 100000, answer
+    status, sse = answers[True]
+    last = json.loads(sse.rstrip().splitlines()[-1][len("data: "):])  # the stream's closing chunk came
+    assert status == 200 and last["choices"][0]["finish_reason"] and last["usage"]["completion_tokens"] > 0, last
 
 
 def test_not_a_model_folder_is_one_line_before_binding(tmp_path, capsys):

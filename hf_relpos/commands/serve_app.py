@@ -12,13 +12,16 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import threading
 import time
+
+import torch
 
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import StoppingCriteriaList, StopStringCriteria
+from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
@@ -41,18 +44,29 @@ def _refuse(status: int, message: str, param: str | None = None, code: str | Non
     raise HTTPException(status_code=status, detail={"message": message, "param": param, "code": code})
 
 
-def _generate_without_tokenizer(generate):
+class _Stopping(StoppingCriteria):
+    """Every row done once ``event`` is set (the server shutting down): a ``generate`` still running ends with the
+    tokens it has, instead of running on in its thread past the process' exit."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def _generate_without_tokenizer(generate, stopping: threading.Event):
     """``model.generate`` as the generation managers call it, with ``tokenizer=`` (for ``stop_strings``): Transformers'
     generate hands that argument on to the model's forward, which in hf_relpos refuses keyword arguments it does not
     know (upstream models swallow them). The stop strings become a stopping criterion built here instead."""
 
     @functools.wraps(generate)
     def wrapped(*args, tokenizer=None, generation_config=None, stopping_criteria=None, **kwargs):
+        stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), _Stopping(stopping)])
         if generation_config is not None and generation_config.stop_strings:
-            criteria = StoppingCriteriaList(stopping_criteria or [])
-            criteria.append(StopStringCriteria(tokenizer, generation_config.stop_strings))
+            stopping_criteria.append(StopStringCriteria(tokenizer, generation_config.stop_strings))
             generation_config = copy.copy(generation_config)
-            generation_config.stop_strings, stopping_criteria = None, criteria
+            generation_config.stop_strings = None
         return generate(*args, generation_config=generation_config, stopping_criteria=stopping_criteria, **kwargs)
 
     return wrapped
@@ -62,8 +76,8 @@ class FolderModelManager(ModelManager):
     """Transformers' model manager pinned to one model (``force_model``: a request naming another is refused),
     whose model and tokenizer are the ones hf_relpos loaded from the folder (no code from the folder runs)."""
 
-    def __init__(self, name: str, model, tokenizer):
-        model.generate = _generate_without_tokenizer(model.generate)
+    def __init__(self, name: str, model, tokenizer, stopping: threading.Event):
+        model.generate = _generate_without_tokenizer(model.generate, stopping)
         self._model, self._tokenizer, self._created = model, tokenizer, int(time.time())
         # model_timeout is ignored for a pinned model (never unloaded)
         super().__init__(device=str(model.device), dtype="auto", force_model=name)
@@ -286,8 +300,10 @@ async def _unexpected(_request, exc: Exception):
 def build_app(name: str, model, tokenizer, *, continuous_batching: bool = False, cb_config=None,
               max_tokens: int = 1024):
     """The FastAPI app of ``transformers serve`` for this model, and its generation state (to stop at exit)."""
-    manager = FolderModelManager(name, model, tokenizer)
+    stopping = threading.Event()
+    manager = FolderModelManager(name, model, tokenizer, stopping)
     state = FolderGenerationState(continuous_batching=continuous_batching, cb_config=cb_config)
+    state.stopping = stopping  # set at shutdown: the generate calls still running end
     completion = FolderCompletionHandler(model_manager=manager, generation_state=state)
     chat = FolderChatCompletionHandler(model_manager=manager, generation_state=state)
     completion.max_tokens_limit = chat.max_tokens_limit = max_tokens
