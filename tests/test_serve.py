@@ -168,7 +168,7 @@ def references(folders):
 
 def completion(server, prompt, max_tokens=8, **extra):
     return request(server, "/v1/completions", {"model": Path(server.out).stem, "prompt": prompt,
-                                               "max_tokens": max_tokens, "temperature": 0, **extra})
+                                               "max_tokens": max_tokens, "temperature": 0} | extra)
 
 
 @pytest.mark.parametrize("name", ["decoder", "seq2seq"])
@@ -262,6 +262,10 @@ def test_models_and_health(servers):
         assert request(server, "/health") == (200, {"status": "ok"})
         status, models = request(server, "/v1/models")
         assert status == 200 and [m["id"] for m in models["data"]] == [name]
+        # the name an answer carries ("NAME@main", Transformers') is taken back (a 404 before)
+        status, answer = completion(server, "import os", max_tokens=2)
+        again = completion(server, "import os", max_tokens=2, model=answer["model"])
+        assert status == 200 and again[0] == 200, (answer, again)
 
 
 def test_chat_completions_with_a_template_and_a_clear_4xx_without(servers, references):

@@ -127,9 +127,14 @@ class _Checks:
     def _check(self, body: dict) -> None:
         manager = self.model_manager
         model = body.get("model")
-        if model is not None and model != manager.force_model:
+        # the answers name the model as Transformers does ("NAME@main"): a client may send that name back (which
+        # Transformers' own check then refuses: it compares it with the name as given)
+        if model is not None and not (isinstance(model, str) and manager.process_model_name(model)
+                                      == manager.process_model_name(manager.force_model)):
             _refuse(404, f"The model {model!r} does not exist: this server serves {manager.force_model!r} "
                          "(see /v1/models)", "model", "model_not_found")
+        if model is not None:
+            body["model"] = manager.force_model
         for field in self.token_fields:
             value = body.get(field)
             if value is None:
