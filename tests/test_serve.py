@@ -282,6 +282,9 @@ def test_chat_completions_with_a_template_and_a_clear_4xx_without(servers, refer
     assert status == 400 and answer["error"]["code"] == "no_chat_template", answer
     status, answer = request(servers["decoder"], "/v1/chat/completions", {"messages": "hello"})
     assert status == 400 and answer["error"]["param"] == "messages"
+    long = [{"role": "user", "content": " ".join(["statement"] * TABLE)}]  # past the learned table
+    status, answer = request(servers["decoder"], "/v1/chat/completions", {"messages": long, "max_tokens": 4})
+    assert status == 400 and answer["error"]["param"] == "messages", answer  # was "prompt", a field chat has not
 
 
 def test_continuous_batching_answers_sixteen_concurrent_clients_as_generate(folders, references, tmp_path):

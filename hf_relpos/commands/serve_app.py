@@ -183,11 +183,11 @@ class _Checks:
             _refuse(400, "generation_config is not taken by hf-relpos serve: give max_tokens, temperature, top_p, "
                          "stop or seed", "generation_config", "invalid_value")
 
-    def _fit(self, body: dict, prompt_length: int, field: str = "max_tokens") -> None:
+    def _fit(self, body: dict, prompt_length: int, field: str = "max_tokens", prompt: str = "prompt") -> None:
         """The tokens to generate: the request's, or the server's limit; within an absolute position table."""
         config = self.model_manager._model.config
         if prompt_length == 0:
-            _refuse(400, "the prompt is empty: give some text", "prompt", "invalid_value")
+            _refuse(400, "the prompt is empty: give some text", prompt, "invalid_value")
         asked = body.get(field)
         new_tokens = asked if asked is not None else self.max_tokens_limit
         table = position_table(config)
@@ -199,7 +199,7 @@ class _Checks:
             if prompt_end > table or (config.is_encoder_decoder and table < 2) or (
                     not config.is_encoder_decoder and prompt_end >= table):
                 _refuse(400, f"the prompt is {prompt_length} tokens and the model's {scheme} position table holds "
-                             f"{table} positions: give a shorter prompt", "prompt", "context_length_exceeded")
+                             f"{table} positions: give a shorter prompt", prompt, "context_length_exceeded")
             if answer_end > table:
                 room = table - (1 if config.is_encoder_decoder else prompt_length)
                 if asked is not None:
@@ -253,7 +253,7 @@ class FolderChatCompletionHandler(_Checks, ChatCompletionHandler):
             _refuse(400, f"the chat template cannot render these messages: {' '.join(str(error).split())}",
                     "messages", "invalid_value")
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        self._fit(body, len(ids["input_ids"]), field)
+        self._fit(body, len(ids["input_ids"]), field, prompt="messages")
         return await super().handle_request(body, request_id)
 
     def _build_generation_config(self, body, model_generation_config, use_cb=False):
