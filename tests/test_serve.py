@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -167,7 +168,7 @@ def references(folders):
 
 def completion(server, prompt, max_tokens=8, **extra):
     return request(server, "/v1/completions", {"model": Path(server.out).stem, "prompt": prompt,
-                                               "max_tokens": max_tokens, "temperature": 0, **extra})
+                                               "max_tokens": max_tokens, "temperature": 0} | extra)
 
 
 @pytest.mark.parametrize("name", ["decoder", "seq2seq"])
@@ -227,6 +228,14 @@ def test_malformed_requests_get_a_4xx_json_error_and_serving_goes_on(servers, re
         ({"prompt": "x", "temperature": -1}, None, 400, "temperature"),
         ({"prompt": "x", "stream": "yes"}, None, 400, "stream"),
         ({"prompt": "x", "no_such_field": 1}, None, 422, None),
+        # OpenAI's fields Transformers' handlers ignore: answered 200 as if absent before (one choice for n=2)
+        ({"prompt": "x", "n": 2}, None, 400, "n"),
+        ({"prompt": "x", "logprobs": 2}, None, 400, "logprobs"),
+        ({"prompt": "x", "echo": True}, None, 400, "echo"),
+        ({"prompt": "x", "best_of": 3}, None, 400, "best_of"),
+        ({"prompt": "x", "logit_bias": {"5": 100}}, None, 400, "logit_bias"),
+        ({"prompt": "x", "presence_penalty": 1}, None, 400, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -1}, None, 400, "frequency_penalty"),  # a 500 from generate before
     ]
     expected = references("decoder", "import os", max_new_tokens=4)[0]
     for body, raw, status, param in bad:
@@ -253,6 +262,10 @@ def test_models_and_health(servers):
         assert request(server, "/health") == (200, {"status": "ok"})
         status, models = request(server, "/v1/models")
         assert status == 200 and [m["id"] for m in models["data"]] == [name]
+        # the name an answer carries ("NAME@main", Transformers') is taken back (a 404 before)
+        status, answer = completion(server, "import os", max_tokens=2)
+        again = completion(server, "import os", max_tokens=2, model=answer["model"])
+        assert status == 200 and again[0] == 200, (answer, again)
 
 
 def test_chat_completions_with_a_template_and_a_clear_4xx_without(servers, references):
@@ -269,6 +282,9 @@ def test_chat_completions_with_a_template_and_a_clear_4xx_without(servers, refer
     assert status == 400 and answer["error"]["code"] == "no_chat_template", answer
     status, answer = request(servers["decoder"], "/v1/chat/completions", {"messages": "hello"})
     assert status == 400 and answer["error"]["param"] == "messages"
+    long = [{"role": "user", "content": " ".join(["statement"] * TABLE)}]  # past the learned table
+    status, answer = request(servers["decoder"], "/v1/chat/completions", {"messages": long, "max_tokens": 4})
+    assert status == 400 and answer["error"]["param"] == "messages", answer  # was "prompt", a field chat has not
 
 
 def test_continuous_batching_answers_sixteen_concurrent_clients_as_generate(folders, references, tmp_path):
@@ -286,6 +302,12 @@ def test_continuous_batching_answers_sixteen_concurrent_clients_as_generate(fold
         chunks = [json.loads(line[len("data: "):]) for line in sse.splitlines() if line.startswith("data: {")]
         streamed, expected = "".join(c["choices"][0]["text"] for c in chunks), references("decoder", PROMPTS[1], 6)[0]
         assert status == 200 and expected.startswith(streamed) and set(expected[len(streamed):]) <= {"\ufffd"}
+        # one generation config serves every request (the first one's): sampling is refused, greedy answers stay
+        for field, value in (("temperature", 1.0), ("top_p", 0.5), ("frequency_penalty", 0.5)):
+            status, answer = completion(server, PROMPTS[2], max_tokens=6, **{field: value})
+            assert status == 400 and answer["error"]["param"] == field, answer
+        status, answer = completion(server, PROMPTS[2], max_tokens=6)
+        assert status == 200 and answer["choices"][0]["text"] == references("decoder", PROMPTS[2], 6)[0]
         assert request(server, "/health") == (200, {"status": "ok"})
     finally:
         assert server.stop() == 0, server.err.read_text()[-2000:]
@@ -302,6 +324,37 @@ def test_sigint_stops_the_server_cleanly(servers):
         with socket.socket() as sock:  # and a new server can bind it (its old connections may be in TIME_WAIT)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", server.port))
+
+
+def test_sigterm_with_requests_in_flight_answers_them_and_exits_cleanly(folders, tmp_path):
+    """SIGTERM (as Ctrl-C) while a plain and a streamed request are still generating: both are answered (cut where
+    the graceful shutdown ends), exit 0, no traceback. Before: uvicorn re-raised SIGTERM (exit -15, no cleanup), and a
+    request past the graceful wait was cancelled with a traceback while its generate ran on in its thread."""
+    server = Server(folders["seq2seq"], tmp_path, "--max-tokens", "100000").wait()
+    answers, started = {}, time.monotonic()
+
+    def ask(stream):
+        answers[stream] = completion(server, PROMPTS[0], max_tokens=100000, stream=stream)
+
+    clients = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    try:
+        for client in clients:
+            client.start()
+        time.sleep(1)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0, server.err.read_text()[-2000:]
+        for client in clients:
+            client.join(REQUEST_TIMEOUT)
+    finally:
+        server.stop()
+    err = server.err.read_text()
+    assert "Traceback" not in err and "stopped" in err, err[-2000:]
+    assert time.monotonic() - started < 30
+    status, answer = answers[False]
+    assert status == 200 and 0 < answer["usage"]["completion_tokens"] < 100000, answer
+    status, sse = answers[True]
+    last = json.loads(sse.rstrip().splitlines()[-1][len("data: "):])  # the stream's closing chunk came
+    assert status == 200 and last["choices"][0]["finish_reason"] and last["usage"]["completion_tokens"] > 0, last
 
 
 def test_not_a_model_folder_is_one_line_before_binding(tmp_path, capsys):

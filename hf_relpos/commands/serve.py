@@ -3,7 +3,10 @@ built in :mod:`.serve_app`), run by uvicorn on a socket this command binds."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
+import signal
 import socket
 import sys
 
@@ -125,16 +128,53 @@ def serve_command(args) -> int:
     batching = "continuous batching" if args.continuous_batching else "one request at a time"
     print(f"hf-relpos serve: {name} ({kind}{config.position_encoding}, {device}, {batching}) at "
           f"http://{shown}:{port}/v1 (Ctrl-C stops)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # the requests still generating a second before uvicorn's graceful wait ends are cut there (answered
+            # with the tokens they have) rather than cancelled with their generate still running in its thread
+            def stop_generating():
+                state.stopping.set()
+                state.shutdown()
+
+            later = asyncio.get_running_loop().call_later(max(self.config.timeout_graceful_shutdown - 1, 0),
+                                                          stop_generating)
+            await super().shutdown(sockets)
+            later.cancel()
+            # continuous batching's worker stopped while the event loop it hands tokens to is still open (after
+            # it closed, the worker raised there and the process waited for it)
+            state.shutdown()
+
+    server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    # a request still running 5 s after Ctrl-C is cancelled: uvicorn's one line says so, not the traceback too
+    cancelled = _DropCancelled()
+    logging.getLogger("uvicorn.error").addFilter(cancelled)
+    # uvicorn shuts down on SIGINT and SIGTERM, then raises the signal again once it has stopped: SIGTERM's default
+    # would end the process there, before the lines below
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shuts down on SIGINT, then raises it again once it has stopped
+    except (KeyboardInterrupt, _Terminated):
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        logging.getLogger("uvicorn.error").removeFilter(cancelled)
         state.shutdown()
         sock.close()
     print("hf-relpos serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _terminated(signum, frame):
+    raise _Terminated
+
+
+class _DropCancelled(logging.Filter):
+    def filter(self, record):
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def _default_name(folder: str) -> str:

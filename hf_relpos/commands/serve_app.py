@@ -12,13 +12,16 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import threading
 import time
+
+import torch
 
 from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import StoppingCriteriaList, StopStringCriteria
+from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
@@ -32,22 +35,38 @@ from .common import position_table
 DROPPED_ROUTES = ("/v1/responses", "/v1/systemone", "/v1/audio/transcriptions", "/load_model", "/reset")
 
 
+# OpenAI's request fields that Transformers' handlers accept and ignore, with the values that ask for nothing
+IGNORED_FIELDS = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+                  "top_logprobs": (None,), "presence_penalty": (None, 0), "logit_bias": (None, {})}
+
+
 def _refuse(status: int, message: str, param: str | None = None, code: str | None = None):
     raise HTTPException(status_code=status, detail={"message": message, "param": param, "code": code})
 
 
-def _generate_without_tokenizer(generate):
+class _Stopping(StoppingCriteria):
+    """Every row done once ``event`` is set (the server shutting down): a ``generate`` still running ends with the
+    tokens it has, instead of running on in its thread past the process' exit."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def _generate_without_tokenizer(generate, stopping: threading.Event):
     """``model.generate`` as the generation managers call it, with ``tokenizer=`` (for ``stop_strings``): Transformers'
     generate hands that argument on to the model's forward, which in hf_relpos refuses keyword arguments it does not
     know (upstream models swallow them). The stop strings become a stopping criterion built here instead."""
 
     @functools.wraps(generate)
     def wrapped(*args, tokenizer=None, generation_config=None, stopping_criteria=None, **kwargs):
+        stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), _Stopping(stopping)])
         if generation_config is not None and generation_config.stop_strings:
-            criteria = StoppingCriteriaList(stopping_criteria or [])
-            criteria.append(StopStringCriteria(tokenizer, generation_config.stop_strings))
+            stopping_criteria.append(StopStringCriteria(tokenizer, generation_config.stop_strings))
             generation_config = copy.copy(generation_config)
-            generation_config.stop_strings, stopping_criteria = None, criteria
+            generation_config.stop_strings = None
         return generate(*args, generation_config=generation_config, stopping_criteria=stopping_criteria, **kwargs)
 
     return wrapped
@@ -57,8 +76,8 @@ class FolderModelManager(ModelManager):
     """Transformers' model manager pinned to one model (``force_model``: a request naming another is refused),
     whose model and tokenizer are the ones hf_relpos loaded from the folder (no code from the folder runs)."""
 
-    def __init__(self, name: str, model, tokenizer):
-        model.generate = _generate_without_tokenizer(model.generate)
+    def __init__(self, name: str, model, tokenizer, stopping: threading.Event):
+        model.generate = _generate_without_tokenizer(model.generate, stopping)
         self._model, self._tokenizer, self._created = model, tokenizer, int(time.time())
         # model_timeout is ignored for a pinned model (never unloaded)
         super().__init__(device=str(model.device), dtype="auto", force_model=name)
@@ -102,14 +121,20 @@ class _Checks:
     500 from ``generate`` (or a generation that runs past the model's position table)."""
 
     max_tokens_limit: int = 1024
+    continuous_batching: bool = False
     token_fields = ("max_tokens",)
 
     def _check(self, body: dict) -> None:
         manager = self.model_manager
         model = body.get("model")
-        if model is not None and model != manager.force_model:
+        # the answers name the model as Transformers does ("NAME@main"): a client may send that name back (which
+        # Transformers' own check then refuses: it compares it with the name as given)
+        if model is not None and not (isinstance(model, str) and manager.process_model_name(model)
+                                      == manager.process_model_name(manager.force_model)):
             _refuse(404, f"The model {model!r} does not exist: this server serves {manager.force_model!r} "
                          "(see /v1/models)", "model", "model_not_found")
+        if model is not None:
+            body["model"] = manager.force_model
         for field in self.token_fields:
             value = body.get(field)
             if value is None:
@@ -127,6 +152,25 @@ class _Checks:
                 _refuse(400, f"{field} must be a number from {low:g} to {high:g}, got {value!r}", field, "invalid_value")
         if body.get("top_p") == 0:
             _refuse(400, "top_p must be > 0, got 0", "top_p", "invalid_value")
+        if body.get("frequency_penalty") is not None and body["frequency_penalty"] <= -1:
+            _refuse(400, f"frequency_penalty must be above -1 (it is generate's repetition_penalty - 1), got "
+                         f"{body['frequency_penalty']!r}", "frequency_penalty", "invalid_value")
+        # OpenAI's fields that Transformers' handlers ignore (a warning in the log): refused, not answered as if
+        # absent (one choice for n=2, no logprobs, no echoed prompt)
+        for field, allowed in IGNORED_FIELDS.items():
+            if body.get(field) not in allowed:
+                _refuse(400, f"{field} {body[field]!r} is not supported by hf-relpos serve (leave it out)", field,
+                        "unsupported_value")
+        if self.continuous_batching:
+            # Transformers' continuous batching takes one generation config for all requests, the first one's: a
+            # sampled first request would make every later greedy one sample (and a greedy one ignore later sampling)
+            for field, asked in (("temperature", (body.get("temperature") or 0) > 0),
+                                 ("top_p", body.get("top_p") not in (None, 1)),
+                                 ("frequency_penalty", body.get("frequency_penalty") not in (None, 0))):
+                if asked:
+                    _refuse(400, f"{field} {body[field]!r}: with --continuous-batching this server answers greedily "
+                                 "(Transformers' continuous batching shares one sampling setting among all requests); "
+                                 "leave it out, or serve without --continuous-batching", field, "unsupported_value")
         if body.get("seed") is not None and type(body["seed"]) is not int:
             _refuse(400, f"seed must be an integer, got {body['seed']!r}", "seed", "invalid_value")
         if body.get("stream") is not None and type(body["stream"]) is not bool:
@@ -139,11 +183,11 @@ class _Checks:
             _refuse(400, "generation_config is not taken by hf-relpos serve: give max_tokens, temperature, top_p, "
                          "stop or seed", "generation_config", "invalid_value")
 
-    def _fit(self, body: dict, prompt_length: int, field: str = "max_tokens") -> None:
+    def _fit(self, body: dict, prompt_length: int, field: str = "max_tokens", prompt: str = "prompt") -> None:
         """The tokens to generate: the request's, or the server's limit; within an absolute position table."""
         config = self.model_manager._model.config
         if prompt_length == 0:
-            _refuse(400, "the prompt is empty: give some text", "prompt", "invalid_value")
+            _refuse(400, "the prompt is empty: give some text", prompt, "invalid_value")
         asked = body.get(field)
         new_tokens = asked if asked is not None else self.max_tokens_limit
         table = position_table(config)
@@ -155,7 +199,7 @@ class _Checks:
             if prompt_end > table or (config.is_encoder_decoder and table < 2) or (
                     not config.is_encoder_decoder and prompt_end >= table):
                 _refuse(400, f"the prompt is {prompt_length} tokens and the model's {scheme} position table holds "
-                             f"{table} positions: give a shorter prompt", "prompt", "context_length_exceeded")
+                             f"{table} positions: give a shorter prompt", prompt, "context_length_exceeded")
             if answer_end > table:
                 room = table - (1 if config.is_encoder_decoder else prompt_length)
                 if asked is not None:
@@ -209,7 +253,7 @@ class FolderChatCompletionHandler(_Checks, ChatCompletionHandler):
             _refuse(400, f"the chat template cannot render these messages: {' '.join(str(error).split())}",
                     "messages", "invalid_value")
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        self._fit(body, len(ids["input_ids"]), field)
+        self._fit(body, len(ids["input_ids"]), field, prompt="messages")
         return await super().handle_request(body, request_id)
 
     def _build_generation_config(self, body, model_generation_config, use_cb=False):
@@ -261,11 +305,14 @@ async def _unexpected(_request, exc: Exception):
 def build_app(name: str, model, tokenizer, *, continuous_batching: bool = False, cb_config=None,
               max_tokens: int = 1024):
     """The FastAPI app of ``transformers serve`` for this model, and its generation state (to stop at exit)."""
-    manager = FolderModelManager(name, model, tokenizer)
+    stopping = threading.Event()
+    manager = FolderModelManager(name, model, tokenizer, stopping)
     state = FolderGenerationState(continuous_batching=continuous_batching, cb_config=cb_config)
+    state.stopping = stopping  # set at shutdown: the generate calls still running end
     completion = FolderCompletionHandler(model_manager=manager, generation_state=state)
     chat = FolderChatCompletionHandler(model_manager=manager, generation_state=state)
     completion.max_tokens_limit = chat.max_tokens_limit = max_tokens
+    completion.continuous_batching = chat.continuous_batching = continuous_batching
     app = build_server(manager, chat, completion_handler=completion, response_handler=None,
                        transcription_handler=None, systemone_handler=None, generation_state=state)
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in DROPPED_ROUTES]
