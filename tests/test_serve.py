@@ -191,6 +191,25 @@ def test_completions_equal_generate_and_stream_the_same_text(servers, references
     assert len(streamed) >= len(expected.rstrip("\ufffd")) and chunks[-1]["usage"]["completion_tokens"] == generated
 
 
+def test_stop_strings_end_the_answer(servers, references):
+    """``stop`` reaches generate's ``stop_strings`` (with the tokenizer): the answer ends where the stop string is
+    first produced, a prefix of the free answer."""
+    server = servers["decoder"]
+    status, free = completion(server, PROMPTS[1], max_tokens=12)
+    assert status == 200, free
+    text = free["choices"][0]["text"]
+    # A random model's text: the first plain character that first appears after the start and before the end.
+    stop = next((c for i, c in enumerate(text) if 0 < i < len(text) - 2 and c.isprintable() and c != "\ufffd"
+                 and text.index(c) == i), None)
+    assert stop is not None, text
+    end = text.index(stop) + len(stop)
+    status, stopped = completion(server, PROMPTS[1], max_tokens=12, stop=[stop])
+    assert status == 200, stopped
+    got = stopped["choices"][0]["text"]
+    assert text.startswith(got) and text[:end].startswith(got.rstrip()) and len(got) >= text.index(stop), (got, text)
+    assert stopped["usage"]["completion_tokens"] < free["usage"]["completion_tokens"]
+
+
 def test_an_encoder_decoder_answers_with_its_decoder_output_not_the_prompt_cut(servers, references):
     """Transformers cuts the prompt's length off generate's output, as for a decoder-only model: for an
     encoder-decoder that dropped the first tokens of the answer (or all of them)."""

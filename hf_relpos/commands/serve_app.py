@@ -9,7 +9,6 @@ Imported only once the serving packages are known to be installed (``hf_relpos.c
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import threading
@@ -21,7 +20,7 @@ from fastapi import HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
@@ -55,19 +54,14 @@ class _Stopping(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
-def _generate_without_tokenizer(generate, stopping: threading.Event):
-    """``model.generate`` as the generation managers call it, with ``tokenizer=`` (for ``stop_strings``): Transformers'
-    generate hands that argument on to the model's forward, which in hf_relpos refuses keyword arguments it does not
-    know (upstream models swallow them). The stop strings become a stopping criterion built here instead."""
+def _generate_stoppable(generate, stopping: threading.Event):
+    """``model.generate`` as the generation managers call it, plus a criterion that ends it once ``stopping`` is
+    set (the server shutting down)."""
 
     @functools.wraps(generate)
-    def wrapped(*args, tokenizer=None, generation_config=None, stopping_criteria=None, **kwargs):
+    def wrapped(*args, stopping_criteria=None, **kwargs):
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), _Stopping(stopping)])
-        if generation_config is not None and generation_config.stop_strings:
-            stopping_criteria.append(StopStringCriteria(tokenizer, generation_config.stop_strings))
-            generation_config = copy.copy(generation_config)
-            generation_config.stop_strings = None
-        return generate(*args, generation_config=generation_config, stopping_criteria=stopping_criteria, **kwargs)
+        return generate(*args, stopping_criteria=stopping_criteria, **kwargs)
 
     return wrapped
 
@@ -77,7 +71,7 @@ class FolderModelManager(ModelManager):
     whose model and tokenizer are the ones hf_relpos loaded from the folder (no code from the folder runs)."""
 
     def __init__(self, name: str, model, tokenizer, stopping: threading.Event):
-        model.generate = _generate_without_tokenizer(model.generate, stopping)
+        model.generate = _generate_stoppable(model.generate, stopping)
         self._model, self._tokenizer, self._created = model, tokenizer, int(time.time())
         # model_timeout is ignored for a pinned model (never unloaded)
         super().__init__(device=str(model.device), dtype="auto", force_model=name)
