@@ -412,3 +412,14 @@ def test_continuous_batching_refuses_an_encoder_decoder_and_transformer_xl_memor
     assert hf_relpos_cli.main(["serve", str(folder), "--continuous-batching"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--continuous-batching" in err and "mem_len=8" in err and "\n" not in err
+
+
+def test_a_reachable_host_is_warned_of():
+    """--host other than a loopback address: a warning that the server has no authentication (not bound here: the
+    tests listen on 127.0.0.1 only)."""
+    from hf_relpos.commands.serve import exposure_warning
+
+    for host in ("127.0.0.1", "::1", "127.0.0.2"):
+        assert exposure_warning(host) is None
+    for host in ("0.0.0.0", "::", "192.168.1.5"):
+        assert "no authentication" in exposure_warning(host) and host in exposure_warning(host)

@@ -77,6 +77,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def exposure_warning(host: str) -> str | None:
+    """A warning for a listening address other machines can reach: the server has no authentication."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return None
+    return (f"hf-relpos serve: warning: listening on {host}, which other machines may reach; the server has no "
+            "authentication (the default --host 127.0.0.1 serves this machine only)")
+
+
 def serve_command(args) -> int:
     given = [f"--{k.replace('_', '-')}" for k in CB_OPTIONS
              if getattr(args, k) is not None]
@@ -123,6 +137,9 @@ def serve_command(args) -> int:
                            max_tokens=args.max_tokens)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    warning = exposure_warning(host)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     shown = f"[{host}]" if ":" in host else host
     kind = "encoder-decoder, " if config.is_encoder_decoder else ""
     batching = "continuous batching" if args.continuous_batching else "one request at a time"
