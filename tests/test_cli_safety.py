@@ -772,3 +772,13 @@ def test_train_and_compare_through_a_symlink_or_dots(trained, tmp_path, monkeypa
             err = one_line_error(code, err, command)
             assert f"--output-dir {out!r} names no folder of its own" in err, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_a_file_given_as_the_model_folder_is_named_a_file(tmp_path, capsys):
+    """A file where the model folder goes: one line saying it is a file (it said the folder held no config.json)."""
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"not a folder")
+    for command, *options in FOLDER_COMMANDS:
+        code, out, err = run([command, str(a_file), *options], capsys)
+        err = one_line_error(code, err, command)
+        assert f"{str(a_file)!r} is a file, not a folder" in err, (command, err)

@@ -424,6 +424,8 @@ def check_folder(folder: str, encoder_decoder: bool = False) -> Path:
     path = Path(folder)
     if not path.exists():
         raise UserError(f"folder {folder!r} does not exist: pass a folder written by `hf-relpos train`")
+    if not path.is_dir():
+        raise UserError(f"{folder!r} is a file, not a folder: pass a folder written by `hf-relpos train`")
     if not (path / "config.json").is_file():
         raise UserError(f"folder {folder!r} holds no config.json: pass a folder written by `hf-relpos train`")
     config = read_json_object(path / "config.json")
