@@ -1254,6 +1254,10 @@ class RelPosGenerationMixin(GenerationMixin):
             kwargs.pop(name, None)
         return super().prepare_inputs_for_generation(*args, **kwargs)
 
+    # generate (and Transformers' tests) read this method's parameters: `inputs_embeds` among them is what lets
+    # `generate(inputs_embeds=...)` run, so it keeps the signature of the method it wraps.
+    prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
+
 
 class RelPosForCausalLM(RelPosPreTrainedModel, RelPosGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}

@@ -330,3 +330,14 @@ def test_stop_strings_with_a_tokenizer(seq2seq):
     stopped = model.generate(prompt, max_new_tokens=8, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
     got = stopped[0] if seq2seq else stopped[0, prompt.shape[1]:]
     assert got.tolist() == answer[: first + 1].tolist()
+
+
+@pytest.mark.parametrize("scheme", ["alibi", "rope"])
+def test_generate_from_inputs_embeds(scheme):
+    """``generate(inputs_embeds=...)`` gives the tokens ``generate(input_ids)`` gives (generate reads
+    ``inputs_embeds`` among prepare_inputs_for_generation's parameters; a wrapper without them refused it)."""
+    model = build(scheme)
+    ids = rand_ids(2, 6, seed=5)
+    from_ids = model.generate(ids, max_new_tokens=5, do_sample=False)[:, ids.shape[1]:]
+    from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=5, do_sample=False)
+    assert from_embeds.tolist() == from_ids.tolist()
