@@ -124,20 +124,25 @@ def ddp(tmp_path_factory):
     port = free_port()
     env = torchrun_env(out, MKL_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return (out, *torchrun(port, [str(WORKER), str(out), *SCENARIOS], env, LAUNCH_TIMEOUT))
+
+
+def torchrun(port: int, arguments: list, env: dict, timeout: float) -> tuple[int, str]:
+    """``(exit status, output)`` of two local ranks of ``torch.distributed.run`` on 127.0.0.1:``port``; the test
+    fails (torchrun and both workers killed) past ``timeout`` seconds."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(port),
-        str(WORKER), str(out), *SCENARIOS,
+        "--master_addr", "127.0.0.1", "--master_port", str(port), *arguments,
     ]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers: the session this launch started
         log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {LAUNCH_TIMEOUT} s:\n{readable(log)}")
-    return out, proc.returncode, log
+        pytest.fail(f"torchrun did not finish within {timeout} s:\n{readable(log)}")
+    return proc.returncode, log
 
 
 @pytest.fixture(scope="module")

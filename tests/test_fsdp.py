@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_distributed import free_port, readable, torchrun_env
+from test_distributed import free_port, readable, torchrun, torchrun_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -67,20 +67,7 @@ def fsdp(tmp_path_factory):
     port = free_port()
     env = torchrun_env(out, MKL_NUM_THREADS="1",
                        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(port), str(WORKER), str(out), *SCHEMES, *CHECKPOINTED,
-        CONTROL,
-    ]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers: the session this launch started
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {LAUNCH_TIMEOUT} s:\n{readable(log)}")
-    return out, proc.returncode, log
+    return (out, *torchrun(port, [str(WORKER), str(out), *SCHEMES, *CHECKPOINTED, CONTROL], env, LAUNCH_TIMEOUT))
 
 
 def results(fsdp, name):
