@@ -10,11 +10,12 @@ from transformers import PreTrainedConfig
 from .functional import t5_exact_buckets
 
 POSITION_ENCODINGS = (
-    "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
+    "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope", "fox",
 )
 # Schemes defined for causal attention only: NoPE's positions come from the causal mask alone, and FIRE
-# normalises distances by the query's position, which bounds them only for keys at or before it.
-CAUSAL_ONLY = ("fire", "nope")
+# normalises distances by the query's position, which bounds them only for keys at or before it; FoX's forget
+# gates decay the past, summed from each key up to the query.
+CAUSAL_ONLY = ("fire", "nope", "fox")
 HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu")
 # T5's feed-forward names: "ACT" or "gated-ACT"; T5 maps "gated-gelu" to gelu_new (its v1.1 checkpoints).
 FEED_FORWARD_PROJS = HIDDEN_ACTS + tuple(f"gated-{act}" for act in HIDDEN_ACTS)
@@ -95,6 +96,8 @@ class RelPosConfig(PreTrainedConfig):
     - ``"fire"``: Li et al. 2024's learned MLP (width ``fire_mlp_width``) of the progressively normalised log
       distance, with a learned threshold initialised at ``fire_threshold``; causal only.
     - ``"nope"``: no position information at all (Kazemnejad et al. 2023); causal only.
+    - ``"fox"``: the Forgetting Transformer (Lin et al. 2025): no position encoding, and a learned forget gate
+      per layer and head that adds ``Σ_{l=j+1..i} log f_l`` to query ``i``'s score of key ``j``; causal only.
     - baselines: ``"rope"`` (rotary, ``rope_theta``), ``"sinusoidal"`` and ``"learned"`` absolute positions
       (up to ``max_position_embeddings``).
 

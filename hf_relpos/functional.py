@@ -65,6 +65,8 @@ __all__ = [
     "alibi_bias",
     "alibi_key_bias",
     "causal_key_bias_attention",
+    "fox_key_bias",
+    "fox_bias",
     "kerple_log_bias",
     "fire_bias",
 ]
@@ -811,16 +813,19 @@ def causal_key_bias_attention(
     *,
     attention_mask: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
+    span: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal self-attention with a bias per key.
 
-    ``z_i = softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v``.
+    ``z_i = softmax_{j <= i}(q_i·k_j · scale + key_bias[b, h, j] + mask) v``.
 
     Args:
         q, k, v: ``[B, H, n, D]``.
-        key_bias: ``[H, n]`` (causal ALiBi: :func:`alibi_key_bias`; give it in float64 so that its
-            differences stay exact).
+        key_bias: ``[H, n]`` or ``[B|1, H, n]``, may need a gradient (causal ALiBi: :func:`alibi_key_bias`;
+            FoX: :func:`fox_key_bias`; give it in float64 so that its differences stay exact).
         attention_mask: see the module docstring; scale: default ``1 / sqrt(D)``.
+        span: the most the bias may spread over one chunk of the fused path's query rows (FoX:
+            ``kernels.KEY_BIAS_SPAN``), or None for ``kernels.KEY_BIAS_CHUNK`` rows whatever the spread.
 
     Returns:
         ``[B, H, n, D]``; a row with no key left gives zeros.
@@ -828,35 +833,96 @@ def causal_key_bias_attention(
     Note:
         On CPU in float32/float64, with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding
         makes), :func:`kernels.causal_key_bias`: the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
-        fused kernel with its causal flag, which skips the masked half; no ``[Q, K]`` tensor. The kernel
-        adds the bias in the inputs' precision; measured from the last row of each chunk of
-        ``kernels.KEY_BIAS_CHUNK`` rows, the values it adds for the keys that matter stay below ALiBi's
-        ``m_h · 2048``, so the logits carry at most about ``eps · m_h · 2048`` (6e-5 in float32 for slope
-        1/2, against 1e-6 for the exact form). Elsewhere (other devices, half precision, where that error
-        would be large, other masks, a key bias that needs a gradient) the bias is applied exactly as
-        ``key_bias[h, j] - key_bias[h, i]`` over ``[B|1, H, n, n]``.
+        fused kernel with its causal flag, which skips the masked half; no ``[Q, K]`` tensor, and the
+        bias's gradient ``Σ_i dS_ij`` comes from the kernel's backward. The kernel adds the bias in the
+        inputs' precision, measured from the last row of each chunk: the values it adds for the keys that
+        matter stay below the bias's spread over the chunk, ALiBi's ``m_h · 2048`` over
+        ``kernels.KEY_BIAS_CHUNK`` rows (6e-5 in float32 for slope 1/2, against 1e-6 for the exact form),
+        at most ``span`` where it is given. Elsewhere (other devices, half precision, where that error
+        would be large, other masks) the bias is applied exactly as ``key_bias[j] - key_bias[i]`` over
+        ``[B|1, H, n, n]``.
 
-    Reference: ``alibi_causal_oracle`` in ``tests/test_key_bias.py``.
+    Reference: ``alibi_causal_oracle`` in ``tests/test_key_bias.py``; ``fox_oracle`` in ``tests/test_fox.py``.
     """
     _check_qkv(q, k, v)
     B, H, n, D = q.shape
     if k.shape[2] != n:
         raise ValueError(f"k must have q's length {n} (self-attention), got k of shape {tuple(k.shape)}")
-    _check_tensor("key_bias", key_bias, 2, "[heads, k_len]")
-    if tuple(key_bias.shape) != (H, n):
-        raise ValueError(f"key_bias must have shape [heads, k_len] = [{H}, {n}], got {tuple(key_bias.shape)}")
+    ndim = key_bias.dim() if isinstance(key_bias, torch.Tensor) and key_bias.dim() == 3 else 2
+    _check_tensor("key_bias", key_bias, ndim, "[heads, k_len] or [batch|1, heads, k_len]")
+    if tuple(key_bias.shape[-2:]) != (H, n) or (key_bias.dim() == 3 and key_bias.shape[0] not in (1, B)):
+        raise ValueError(
+            f"key_bias must have shape [heads, k_len] = [{H}, {n}] or [batch|1, heads, k_len] = [{B}|1, {H}, {n}], "
+            f"got {tuple(key_bias.shape)}"
+        )
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if causal_key_bias_applies(q, k, v, key_bias, attention_mask):
-        return causal_key_bias(q, k, v, key_bias, attention_mask=attention_mask, scale=scale)
+        return causal_key_bias(q, k, v, key_bias, attention_mask=attention_mask, scale=scale, span=span)
     work = torch.promote_types(key_bias.dtype, torch.float32)
-    exact = (key_bias.to(work)[:, None, :] - key_bias.to(work)[:, :, None]).unsqueeze(0)
+    key_bias = key_bias.to(work) if key_bias.dim() == 3 else key_bias.to(work)[None]
+    exact = key_bias[:, :, None, :] - key_bias[:, :, :, None]
     exact = exact + _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device))
     alive = torch.isfinite(exact).any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=exact.to(q.dtype), scale=scale)
     if torch.compiler.is_compiling():  # no host read in a traced graph
         return out.masked_fill(~alive, 0.0)
     return out.masked_fill(~alive, 0.0) if not bool(alive.all()) else out
+
+
+# ----------------------------------------------------------------------------------
+# The Forgetting Transformer (Lin et al. 2025)
+# ----------------------------------------------------------------------------------
+
+
+def _fox_cumsum(log_forget: torch.Tensor) -> torch.Tensor:
+    """``c = cumsum(log f)`` in float64 (float32 where the device has no float64): its differences stay exact."""
+    _check_tensor("log_forget", log_forget, 3, "[batch, heads, k_len]")
+    wide = torch.float32 if log_forget.device.type == "mps" else torch.float64
+    return torch.cumsum(log_forget.to(wide), dim=-1)
+
+
+def fox_key_bias(log_forget: torch.Tensor) -> torch.Tensor:
+    """FoX's causal bias as a bias per key: ``-c_j`` with ``c = cumsum(log f)`` over the keys.
+
+    Lin et al. 2025, eq. (3)-(4): query ``i`` scores key ``j <= i`` with ``q_i·k_j + D_ij``,
+    ``D_ij = Σ_{l=j+1..i} log f_l = c_i - c_j``; ``c_i`` is constant along the query's row, which softmax
+    ignores, so the term is ``-c_j``, one value per key. :func:`causal_key_bias_attention` takes it (with
+    ``span=kernels.KEY_BIAS_SPAN``: a strongly forgetting gate moves ``c`` fast).
+
+    Args:
+        log_forget: ``[B, H, K]``, ``log f_t = logsigmoid(w_f · x_t + b_f)`` of each key's token.
+
+    Returns:
+        ``[B, H, K]`` in float64 (float32 on MPS), differentiable.
+
+    Reference: ``fox_oracle`` in ``tests/test_fox.py`` (the explicit sum over ``l``).
+    """
+    return -_fox_cumsum(log_forget)
+
+
+def fox_bias(log_forget: torch.Tensor, query_length: int, *, past_length: int = 0) -> torch.Tensor:
+    """FoX's bias ``D[b, h, i, j] = c_{past_length + i} - c_j``, ``c = cumsum(log f)`` over the keys.
+
+    Lin et al. 2025, eq. (3)-(4): ``D_ij = Σ_{l=j+1..i} log f_l``, for cached, masked and half-precision
+    calls (the per-key form needs self-attention of a fresh forward). Entries with ``j > past_length + i``
+    (causally masked) hold ``-D_ji``: the caller masks them.
+
+    Args:
+        log_forget: ``[B, H, K]`` over all keys (cached and new); query ``i`` is key ``past_length + i``.
+        query_length: ``Q``; past_length: an int, or a static cache's traced offset.
+
+    Returns:
+        ``[B, H, Q, K]`` in float64 (float32 on MPS), differentiable.
+
+    Reference: ``fox_oracle`` in ``tests/test_fox.py``.
+    """
+    query_length = _check_int("query_length", query_length)
+    past_length = _check_offset("past_length", past_length)
+    c = _fox_cumsum(log_forget)
+    rows = torch.arange(query_length, device=c.device) + past_length
+    rows = rows.clamp(max=c.shape[-1] - 1)  # a static cache's query always has its own slot; keep traced reads in range
+    return c[..., rows, None] - c[..., None, :]
 
 
 # ----------------------------------------------------------------------------------

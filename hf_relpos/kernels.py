@@ -65,6 +65,9 @@ CAUSAL_BIAS_BAND_MIN_LENGTH = 1024
 TXL_CHUNK = 256  # query rows per chunk of Transformer-XL attention
 # Query rows per call of the per-key kernel: the bias the kernel adds stays within m·2048 (ALiBi, slope m).
 KEY_BIAS_CHUNK = 2048
+# The most a learned per-key bias (FoX's -cumsum(log f)) may spread over one chunk of the per-key kernel: fewer rows
+# where it spreads faster, so that float32 logits round at most about eps·256 (3e-5), below ALiBi's bound.
+KEY_BIAS_SPAN = 256.0
 # Rows of the FIRE MLP's [rows, K, width] hidden layer formed at a time: memory stays bounded at any length.
 FIRE_ELEMENTS = 1 << 22
 
@@ -650,40 +653,66 @@ def txl_chunked(
 
 
 class _CausalKeyBiasAttention(torch.autograd.Function):
-    """Causal attention with a per-key bias in the fused CPU kernel, ``chunk`` query rows at a time.
+    """Causal attention with a per-key bias in the fused CPU kernel, a chunk of query rows at a time.
 
     Rows ``a .. b-1`` meet the keys before ``a`` (all visible) and their own square block (causal) in
-    two kernel calls merged by log-sum-exp. Each chunk measures the bias from its last row,
-    ``key_bias[j] - key_bias[b-1]`` (formed in the key bias's own precision, float64 from the model),
-    so the values the kernel adds stay within ``|key_bias[b-1-chunk] - key_bias[b-1]|`` for the keys that
-    matter, whatever the length: the kernel's rounding of the logits stays ``eps`` times that. The
-    backward runs the kernel's backward for each part with the merged output and log-sum-exp.
-    ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with no key left gives zeros.
+    two kernel calls merged by log-sum-exp. ``key_bias`` is ``[B|1, H, n]`` (ALiBi's is the same for every
+    row of the batch; FoX's depends on the tokens). Each chunk measures the bias from its last row,
+    ``key_bias[j] - key_bias[b-1]`` (formed in the key bias's own precision, float64 from the models), and
+    the kernel adds it in the inputs' precision: a key that matters to row ``i`` (one not decayed away)
+    carries about ``|key_bias[i] - key_bias[b-1]|``, so the logits round at ``eps`` times the chunk's
+    spread of the bias. A chunk ends after ``chunk`` rows, or earlier (``span``) where the bias spreads by
+    more than ``span`` over it (a strongly forgetting FoX gate), which bounds that error by ``eps · span``
+    whatever the gate; a key far in the past carries a larger error only in proportion to its decayed
+    weight. The backward runs the kernel's backward for each part with the merged output and log-sum-exp;
+    the bias's gradient ``Σ_i dS_ij`` comes from the same backward with one more channel: ``q' = [q, 1]``,
+    ``k' = [k, rel_j / scale]`` (and a zero channel on ``v``), whose key gradient's last channel is
+    ``scale · Σ_i dS_ij``. ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with no key left gives zeros.
     """
 
     @staticmethod
-    def _parts(q, k, v, key_bias, keys, start, stop):
-        """The chunk's (keys slice, causal, additive mask, alive rows or None) for the prefix and its own block."""
-        rel = (key_bias[:, :stop] - key_bias[:, stop - 1 : stop]).to(q.dtype)[None, :, None, :]  # [1, H, 1, stop]
+    def _chunks(key_bias, n, chunk, span):
+        """The ``(start, stop)`` row ranges: ``chunk`` rows each, fewer where the bias spreads by more than ``span``."""
+        if span is None:
+            return [(start, min(start + chunk, n)) for start in range(0, n, chunk)]
+        bounds, start = [], 0
+        while start < n:
+            window = key_bias[..., start : start + chunk]
+            spread = (window - window[..., :1]).abs().amax(dim=(0, 1))  # [rows]: from the chunk's first row
+            over = torch.nonzero(spread > span)
+            stop = start + (int(over[0, 0]) if over.numel() else window.shape[-1])
+            bounds.append((start, max(stop, start + 1)))
+            start = bounds[-1][1]
+        return bounds
+
+    @staticmethod
+    def _parts(q, key_bias, keys, start, stop, grad=False):
+        """The chunk's (keys slice, causal, additive mask, alive rows or None, bias) for the prefix and its own
+        block; with ``grad``, the mask holds the key mask alone and the bias ``rel`` rides in a channel."""
+        rel = (key_bias[..., :stop] - key_bias[..., stop - 1 : stop]).to(q.dtype)[:, :, None, :]  # [B|1, H, 1, stop]
+        mask = None if grad else rel
         if keys is not None:  # -inf (not finfo.min): the kernel then gives a row with no key zeros
-            rel = rel.masked_fill(~keys[..., None, :stop], float("-inf"))
+            hidden = ~keys[..., None, :stop]
+            mask = rel.masked_fill(hidden, float("-inf")) if not grad else torch.zeros(
+                hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
             seen = keys[..., :stop].cumsum(-1)
-        parts = [(slice(start, stop), True, rel[..., start:stop],
+        piece = lambda m, cols: None if m is None else m[..., cols]  # noqa: E731
+        parts = [(slice(start, stop), True, piece(mask, slice(start, stop)),
                   None if keys is None else (seen[..., start:stop] - seen[..., start - 1 : start] if start else
-                                             seen[..., start:stop]) > 0)]
+                                             seen[..., start:stop]) > 0, rel[..., start:stop])]
         if start:
             alive = None if keys is None else (seen[..., start - 1 : start] > 0).expand(*seen.shape[:-1], stop - start)
-            parts.append((slice(0, start), False, rel[..., :start], alive))
+            parts.append((slice(0, start), False, piece(mask, slice(0, start)), alive, rel[..., :start]))
         return parts
 
     @staticmethod
-    def forward(ctx, q, k, v, key_bias, keys, scale, chunk):
+    def forward(ctx, q, k, v, key_bias, keys, scale, chunk, span):
         work = torch.promote_types(q.dtype, torch.float32)
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work)
-        for start in range(0, q.shape[2], chunk):
-            stop = min(start + chunk, q.shape[2])
+        chunks = _CausalKeyBiasAttention._chunks(key_bias.detach(), q.shape[2], chunk, span)
+        for start, stop in chunks:
             acc = acc_lse = None
-            for cols, causal, mask, alive in _CausalKeyBiasAttention._parts(q, k, v, key_bias, keys, start, stop):
+            for cols, causal, mask, alive, _ in _CausalKeyBiasAttention._parts(q, key_bias.detach(), keys, start, stop):
                 part, part_lse = _flash_cpu(q[:, :, start:stop], k[:, :, cols], v[:, :, cols], 0.0, causal,
                                             attn_mask=mask, scale=scale)
                 part, part_lse = part.to(work), part_lse.to(work)
@@ -698,54 +727,74 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
                 acc_lse = merged
             out[:, :, start:stop], lse[:, :, start:stop] = acc, _finite(acc_lse)
         ctx.save_for_backward(q, k, v, key_bias, keys, out, lse)
-        ctx.scale, ctx.chunk = scale, chunk
+        ctx.scale, ctx.chunks = scale, chunks
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, key_bias, keys, out, lse = ctx.saved_tensors
+        grad_bias = ctx.needs_input_grad[3]
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for start in range(0, q.shape[2], ctx.chunk):
-            stop = min(start + ctx.chunk, q.shape[2])
+        B, H, n, D = q.shape
+        drel = q.new_zeros(B, H, n, dtype=torch.promote_types(q.dtype, key_bias.dtype)) if grad_bias else None
+        if grad_bias:  # the bias rides in one more channel: q' = [q, 1], v' = [v, 0], out' = [out, 0]
+            pad = lambda t, value: F.pad(t, (0, 1), value=value)  # noqa: E731
+            q, v, out, grad_out = pad(q, 1.0), pad(v, 0.0), pad(out, 0.0), pad(grad_out, 0.0)
+        for start, stop in ctx.chunks:
             rows = slice(start, stop)
-            for cols, causal, mask, _ in _CausalKeyBiasAttention._parts(q, k, v, key_bias, keys, start, stop):
+            parts = _CausalKeyBiasAttention._parts(q, key_bias, keys, start, stop, grad=grad_bias)
+            for cols, causal, mask, _, rel in parts:
+                kc, vc = k[:, :, cols], v[:, :, cols]
+                if grad_bias:
+                    kc = torch.cat([kc, (rel / ctx.scale).transpose(-1, -2).expand(B, H, -1, 1)], dim=-1)
                 gq, gk, gv = _flash_cpu_backward(
-                    grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows].contiguous(),
+                    grad_out[:, :, rows], q[:, :, rows], kc, vc, out[:, :, rows].contiguous(),
                     lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=mask, scale=ctx.scale,
                 )
-                dq[:, :, rows] += gq
-                dk[:, :, cols] += gk
-                dv[:, :, cols] += gv
-        return dq, dk, dv, None, None, None, None
+                dq[:, :, rows] += gq[..., :D]
+                dk[:, :, cols] += gk[..., :D]
+                dv[:, :, cols] += gv[..., : dv.shape[-1]]
+                if grad_bias:
+                    # rel_j = key_bias[j] - key_bias[stop-1]: the second term's share (zero up to rounding, as
+                    # each row's dS sums to zero) is kept so that the gradient is that of what was computed.
+                    g = gk[..., D] / ctx.scale
+                    drel[:, :, cols] += g
+                    drel[:, :, stop - 1] -= g.sum(-1)
+        dbias = None
+        if grad_bias:
+            dbias = drel.sum_to_size(key_bias.shape).to(key_bias.dtype)
+        return dq, dk, dv, dbias, None, None, None, None
 
 
 def causal_key_bias_applies(q, k, v, key_bias, attention_mask=None) -> bool:
     """True where :func:`causal_key_bias` computes ``functional.causal_key_bias_attention``: CPU, float32/64,
-    no mask or a key mask, one head size, a key bias that needs no gradient."""
+    no mask or a key mask, one head size."""
     B, H, n, D = q.shape
     return (
         not _exporting()
         and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
         and v.shape[-1] == D  # the fused kernel needs one head size
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)
-        # the kernel gives no gradient for its mask: a trained key bias takes the exact form
-        and not (key_bias.requires_grad and torch.is_grad_enabled())
     )
 
 
 def causal_key_bias(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor, *,
     attention_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None, chunk: int = KEY_BIAS_CHUNK,
+    span: Optional[float] = None,
 ) -> torch.Tensor:
-    """``softmax_{j <= i}(q_i·k_j · scale + key_bias[h, j] + mask) v`` -> ``[B, H, n, D]`` in the fused kernel,
-    ``chunk`` query rows per call (:class:`_CausalKeyBiasAttention`); the logits round at about
-    ``eps · |key_bias[h, i] - key_bias[h, i - chunk]|``. Reference: ``functional.causal_key_bias_attention``."""
+    """``softmax_{j <= i}(q_i·k_j · scale + key_bias[b, h, j] + mask) v`` -> ``[B, H, n, D]`` in the fused kernel,
+    ``chunk`` query rows per call, fewer where ``key_bias`` (``[H, n]`` or ``[B|1, H, n]``, differentiable)
+    spreads by more than ``span`` over them (:class:`_CausalKeyBiasAttention`); the logits round at about
+    ``eps`` times the bias's spread over a chunk. Reference: ``functional.causal_key_bias_attention``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     keys = _key_mask(attention_mask, q.shape[2])
     q, k, v = _unit_stride(q, k, v)
-    return _CausalKeyBiasAttention.apply(q, k, v, key_bias, keys, scale, chunk)
+    if key_bias.dim() == 2:
+        key_bias = key_bias[None]
+    return _CausalKeyBiasAttention.apply(q, k, v, key_bias, keys, scale, chunk, span)
 
 
 # ----------------------------------------------------------------------------------

@@ -97,6 +97,11 @@ def continuous_batching_refusal(config) -> Optional[str]:
         )
     if not config.is_decoder:
         return "is_decoder=False: a bidirectional model does not decode token by token; continuous batching is causal"
+    if config.position_encoding == "fox":
+        return (
+            "position_encoding='fox': FoX carries each token's forget gate in one more channel of its cached key, "
+            "which the paged cache's blocks (sized head_dim) have no room for; use generate"
+        )
     if config.position_encoding == "transformer_xl" and config.mem_len > 0:
         return (
             f"position_encoding='transformer_xl' with mem_len={config.mem_len}: Transformer-XL's memory (the hidden "
@@ -260,6 +265,7 @@ class RelPosAttention(nn.Module):
         key = self.k_proj(kv_input).view(shape).transpose(1, 2)
         value = self.v_proj(kv_input).view(shape).transpose(1, 2)
         query, key = scheme.rotate(query, key, term, ctx)
+        query, key = scheme.prepare(self, hidden_states, query, key, ctx)
         if ctx.paged is not None:  # a paged cache updates kwargs in place (this layer's cu_seq_lens_k): a copy each
             key, value = cache.update(key, value, self.layer_idx, dict(ctx.paged))
         elif cache is not None:
@@ -904,7 +910,9 @@ class RelPosModel(RelPosPreTrainedModel):
         layer = cache.layers[0] if len(cache.layers) else None
         keys = getattr(layer, "keys", None)
         if layer is not None and getattr(layer, "is_initialized", False) and keys is not None and keys.numel():
-            expected = (batch, config.num_attention_heads, config.head_dim)
+            # a scheme may carry more channels in its keys (FoX's forget gate)
+            head_dim = config.head_dim + POSITION_SCHEMES[config.position_encoding].key_channels
+            expected = (batch, config.num_attention_heads, head_dim)
             got = (keys.shape[0], keys.shape[1], keys.shape[3])
             if got != expected:
                 raise ValueError(

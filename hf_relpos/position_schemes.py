@@ -29,6 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_utils import _exporting
 from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
+from .kernels import KEY_BIAS_SPAN
 from .functional import (
     alibi_bias,
     alibi_key_bias,
@@ -36,6 +37,8 @@ from .functional import (
     attention_with_bias,
     causal_key_bias_attention,
     fire_bias,
+    fox_bias,
+    fox_key_bias,
     kerple_log_bias,
     log_decay_bias,
     saturating_bias_attention,
@@ -369,6 +372,8 @@ class PositionScheme(nn.Module):
     - ``forward``: the per-forward term, computed once for the new query rows against all keys and
       handed to every layer (a bias merged into the mask, RoPE's cos/sin, Transformer-XL's distances);
     - ``rotate``: what it does to queries and keys before the cache (RoPE);
+    - ``prepare``: what it derives from each layer's input before the cache (FoX's forget gate, carried in
+      ``key_channels`` extra channels of the keys, so that every cache operation keeps it with its key);
     - ``attend``: the attention call, returning the output ``[B, Q, H, D]`` and the probabilities
       ``[B, H, Q, K]`` when ``ctx.output_attentions`` (else None); the default runs Transformers'
       attention interface with the term as the mask, so an additive bias rides in SDPA's fused kernel.
@@ -379,6 +384,8 @@ class PositionScheme(nn.Module):
 
     # The std the token embeddings start with, where the scheme's recipe asks for one (None: initializer_range).
     token_init_std: Optional[float] = None
+    # Channels the scheme appends to the keys (and so to the cache's keys) beyond head_dim, in ``prepare``.
+    key_channels: int = 0
 
     def __init__(self, config: RelPosConfig):
         super().__init__()
@@ -409,6 +416,11 @@ class PositionScheme(nn.Module):
         return ctx.full_mask(device)
 
     def rotate(self, query, key, term, ctx):
+        return query, key
+
+    def prepare(self, attn: nn.Module, hidden_states, query, key, ctx: PositionContext):
+        """Queries and keys after what the scheme derives from the layer's input ``hidden_states`` (what
+        ``q_proj`` reads), before the cache update; ``attend`` gets the keys as cached."""
         return query, key
 
     def attend(self, attn: nn.Module, query, key, value, term, ctx: PositionContext):
@@ -625,6 +637,70 @@ class FireScheme(AdditiveBiasScheme):
             first.weight, first.bias, last.weight, last.bias, self.c, threshold, ctx.query_length, ctx.key_length,
             past_length=ctx.past_length, positions=ctx.position_ids, relative_position=ctx.relative_position,
         )
+
+
+class ForgetGate(nn.Module):
+    """One layer's FoX forget gate, ``log f_t = logsigmoid(fgate_proj(x_t))`` per head, in float32.
+
+    Named and initialised as the authors' ``fgate_proj`` (zhixuan-lin/forgetting-transformer,
+    ``modeling_forgetting_transformer.py``, ``fgate_type="full"``): ``Linear(hidden, heads, bias=True)``, weights
+    ``N(0, initializer_range)`` and zero bias (their ``_init_weights``; the model's), so ``f`` starts near 1/2.
+    """
+
+    def __init__(self, config: RelPosConfig):
+        super().__init__()
+        self.fgate_proj = nn.Linear(config.hidden_size, config.num_attention_heads, bias=True)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[B, T, hidden] -> [B, H, T]``."""
+        return F.logsigmoid(self.fgate_proj(hidden_states).float()).transpose(1, 2)
+
+
+class FoxScheme(AdditiveBiasScheme):
+    """Lin et al. 2025 (the Forgetting Transformer): no position encoding, and a forget gate per layer and
+    head: query ``i`` scores key ``j <= i`` with ``q_i·k_j + Σ_{l=j+1..i} log f_l`` (causal only).
+
+    ``prepare`` computes each token's ``log f`` from the layer's input and carries it as one more channel of
+    its key (keys cached as ``[B, H, T, head_dim + 1]``), so the cache's every operation (beam reorder, crop,
+    batch select, a StaticCache's slots, a sliding window) keeps it with its key; ``attend`` splits it off and
+    takes ``c = cumsum(log f)`` over the keys it holds: the fused per-key path (``-c_j``) for self-attention of
+    a fresh forward on CPU, else the exact ``c_{past+i} - c_j`` merged with the mask. In half precision the
+    cached ``log f`` rounds to the keys' dtype (the same for cached and uncached calls).
+    """
+
+    key_channels = 1
+
+    @staticmethod
+    def layer_module(config):
+        return ForgetGate(config)
+
+    def forward(self, ctx, device, dtype):
+        return None  # the term depends on each layer's gate: made in attend
+
+    def prepare(self, attn, hidden_states, query, key, ctx):
+        log_forget = attn.relative(hidden_states)  # [B, H, T]
+        return query, torch.cat([key, log_forget.to(key.dtype)[..., None]], dim=-1)
+
+    def attend(self, attn, query, key, value, term, ctx):
+        key, log_forget = key[..., :-1], key[..., -1]
+        dropout = attn.attention_dropout if attn.training else 0.0
+        fused_cpu = (
+            not _exporting()
+            and ctx.attn_implementation == "sdpa"
+            and query.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float64)
+            and ctx.keys_only
+            and dropout == 0.0
+        )
+        if fused_cpu:
+            out = causal_key_bias_attention(
+                query, key, value, fox_key_bias(log_forget), attention_mask=ctx.key_mask, scale=attn.scaling,
+                span=KEY_BIAS_SPAN,
+            )
+            return out.transpose(1, 2), None
+        bias = fox_bias(log_forget, ctx.query_length, past_length=ctx.past_length).to(query.dtype)
+        bias = torch.where(ctx.full_mask(query.device), bias, torch.finfo(query.dtype).min)
+        return super().attend(attn, query, key, value, bias, ctx)
 
 
 class RopeScheme(PositionScheme):
@@ -921,6 +997,7 @@ POSITION_SCHEMES: dict[str, type[PositionScheme]] = {
     "alibi": AlibiScheme,
     "kerple_log": KerpleLogScheme,
     "fire": FireScheme,
+    "fox": FoxScheme,
     "rope": RopeScheme,
     "sinusoidal": SinusoidalScheme,
     "learned": LearnedScheme,
