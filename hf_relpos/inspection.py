@@ -41,6 +41,7 @@ NO_POSITION_TERM = {
     "sinusoidal": "no position term in attention (absolute sinusoids added to the token embeddings)",
     "learned": "no position term in attention (a learned absolute table added to the token embeddings)",
     "nope": "no position information at all (the causal mask alone orders the tokens)",
+    "fox": "no fixed position term (FoX's decay sums each layer's forget gates over the tokens between query and key)",
 }
 
 MAX_LABELLED_TOKENS = 32  # token strings on the attention maps' axes up to this many tokens

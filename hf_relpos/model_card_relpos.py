@@ -72,6 +72,11 @@ BIBTEX["nope"] = """@inproceedings{kazemnejad2023nope,
   author={Kazemnejad, Amirhossein and Padhi, Inkit and Natesan Ramamurthy, Karthikeyan and Das, Payel and Reddy, Siva},
   booktitle={Advances in Neural Information Processing Systems}, year={2023}
 }"""
+BIBTEX["fox"] = """@inproceedings{lin2025forgetting,
+  title={Forgetting Transformer: Softmax Attention with a Forget Gate},
+  author={Lin, Zhixuan and Nikishin, Evgenii and He, Xu Owen and Courville, Aaron},
+  booktitle={International Conference on Learning Representations}, year={2025}
+}"""
 BIBTEX["sinusoidal"] = BIBTEX["learned"] = """@inproceedings{vaswani2017attention,
   title={Attention Is All You Need},
   author={Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and Jones, Llion and Gomez, Aidan N. and Kaiser, {\\L}ukasz and Polosukhin, Illia},
@@ -92,6 +97,8 @@ SCHEMES = {
     "fire": ("FIRE, a learned function of normalised relative distances (Li et al., 2024)",
              ("fire_mlp_width", "fire_threshold")),
     "nope": ("no position information: the causal mask alone orders tokens (Kazemnejad et al., 2023)", ()),
+    "fox": ("the Forgetting Transformer: no position encoding, a learned forget gate per layer and head adding "
+            "Σ log f between key and query to the logits (Lin et al., 2025)", ()),
     "rope": ("rotary position embeddings (Su et al., 2021)", ("rope_theta",)),
     "sinusoidal": ("sinusoidal absolute positions added to the embeddings (Vaswani et al., 2017)",
                    ("max_position_embeddings",)),

@@ -489,21 +489,26 @@ class AdditiveBiasScheme(PositionScheme):
     def attend(self, attn, query, key, value, bias, ctx):
         if bias.dim() == 2:  # the compact form of forward()
             return self.attend_compact(attn, query, key, value, bias, ctx).transpose(1, 2), None
-        dropout = attn.attention_dropout if attn.training else 0.0
-        if ctx.attn_implementation == "sdpa" and bias.requires_grad and dropout == 0.0 and query.is_cpu:
-            # A trained bias (T5's) would push CPU SDPA onto its slow math path: keep the fused kernel.
-            out, weights = attention_with_bias(query, key, value, bias, scale=attn.scaling).transpose(1, 2), None
-        else:
-            out, weights = super().attend(attn, query, key, value, bias, ctx)
-        if ctx.alive is not None:
-            # A query with no key left (padding) gives zeros under every kernel, as in plain SDPA: the
-            # finfo.min entries of the merged bias would otherwise average the masked values.
-            out = out * ctx.alive.transpose(1, 2)
-        if _exporting():
-            # A copy in the exported graph: with a bias that needs a gradient, the ONNX exporter decomposes SDPA into
-            # an output of another layout than the traced one, which the layer's reshape (traced as a view) cannot view.
-            out = out.clone(memory_format=torch.contiguous_format)
-        return out, weights
+        return attend_merged_bias(self, attn, query, key, value, bias, ctx)
+
+
+def attend_merged_bias(scheme: PositionScheme, attn, query, key, value, bias, ctx):
+    """Attention with a bias merged with the mask (``[B|1, H, Q, K]``, masked entries at the dtype's minimum)."""
+    dropout = attn.attention_dropout if attn.training else 0.0
+    if ctx.attn_implementation == "sdpa" and bias.requires_grad and dropout == 0.0 and query.is_cpu:
+        # A trained bias (T5's) would push CPU SDPA onto its slow math path: keep the fused kernel.
+        out, weights = attention_with_bias(query, key, value, bias, scale=attn.scaling).transpose(1, 2), None
+    else:
+        out, weights = PositionScheme.attend(scheme, attn, query, key, value, bias, ctx)
+    if ctx.alive is not None:
+        # A query with no key left (padding) gives zeros under every kernel, as in plain SDPA: the
+        # finfo.min entries of the merged bias would otherwise average the masked values.
+        out = out * ctx.alive.transpose(1, 2)
+    if _exporting():
+        # A copy in the exported graph: with a bias that needs a gradient, the ONNX exporter decomposes SDPA into
+        # an output of another layout than the traced one, which the layer's reshape (traced as a view) cannot view.
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out, weights
 
 
 class T5BiasScheme(AdditiveBiasScheme):
@@ -656,7 +661,7 @@ class ForgetGate(nn.Module):
         return F.logsigmoid(self.fgate_proj(hidden_states).float()).transpose(1, 2)
 
 
-class FoxScheme(AdditiveBiasScheme):
+class FoxScheme(PositionScheme):
     """Lin et al. 2025 (the Forgetting Transformer): no position encoding, and a forget gate per layer and
     head: query ``i`` scores key ``j <= i`` with ``q_i·k_j + Σ_{l=j+1..i} log f_l`` (causal only).
 
@@ -700,7 +705,7 @@ class FoxScheme(AdditiveBiasScheme):
             return out.transpose(1, 2), None
         bias = fox_bias(log_forget, ctx.query_length, past_length=ctx.past_length).to(query.dtype)
         bias = torch.where(ctx.full_mask(query.device), bias, torch.finfo(query.dtype).min)
-        return super().attend(attn, query, key, value, bias, ctx)
+        return attend_merged_bias(self, attn, query, key, value, bias, ctx)
 
 
 class RopeScheme(PositionScheme):

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-SCHEMES = ["rope", "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "sinusoidal", "learned"]
+SCHEMES = ["rope", "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "sinusoidal", "learned", "fox"]
+CAUSAL_ONLY = ("fire", "nope", "fox")  # hf_relpos.configuration_relpos.CAUSAL_ONLY: timed in the causal sections only
 UPSTREAM = "upstream_t5"
 SIZE = dict(hidden_size=512, num_attention_heads=8, num_hidden_layers=2, intermediate_size=2048)
 
@@ -489,7 +490,7 @@ def main() -> None:
     from tqdm.auto import tqdm
 
     schemes = ["rope"] + [s for s in args.schemes if s != "rope"]
-    contenders = schemes + ([UPSTREAM] if "t5_bias" in schemes else [])
+    contenders = [s for s in schemes if s not in CAUSAL_ONLY] + ([UPSTREAM] if "t5_bias" in schemes else [])
     rows = {}
     jobs = [(n, mode) for n in args.lengths for mode in ("fwd", "fwd+bwd")]
     for n, mode in tqdm(jobs, desc="bidirectional"):

@@ -41,7 +41,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 MASK_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 NON_FLOAT_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64)
 
-CAUSAL_ONLY = ("fire", "nope")  # the README: defined for causal attention only
+CAUSAL_ONLY = ("fire", "nope", "fox")  # the README: defined for causal attention only
 
 
 def chance(data, p_true: float = 0.12) -> bool:
@@ -155,7 +155,7 @@ def model_configs(draw):
         kw.update(rope_theta=draw(st.sampled_from([10.0, 10000.0])))
     elif scheme == "fire":
         kw.update(fire_mlp_width=draw(st.sampled_from([1, 4])), fire_threshold=draw(st.sampled_from([2.0, 512.0])))
-    elif scheme in ("kerple_log", "nope"):
+    elif scheme in ("kerple_log", "nope", "fox"):
         pass
     else:
         kw.update(max_position_embeddings=draw(st.integers(4, 24)))

@@ -106,6 +106,10 @@ def reference_forward(model: RelPosModel, ids: torch.Tensor, mask: torch.Tensor,
             x = psi(-dist.to(dd)) / (psi(torch.maximum(i.to(dd), threshold)) + 1e-6)  # [L, L]
             hidden = torch.relu(x[..., None] * fire.mlp[0].weight.to(dd)[:, 0] + fire.mlp[0].bias.to(dd))
             scores = scores + (hidden @ fire.mlp[2].weight.to(dd).T + fire.mlp[2].bias.to(dd)).permute(2, 0, 1)
+        elif pe == "fox":  # Lin et al. 2025: + sum_{l=j+1..i} log f_l, log f = logsigmoid(fgate_proj(x)) per head
+            log_f = torch.nn.functional.logsigmoid(lin(x, attn.relative.fgate_proj))  # [B, L, H]
+            after = (j[..., None] < torch.arange(L)) & (torch.arange(L) <= i[..., None])  # [L, L, l]: j < l <= i
+            scores = scores + torch.einsum("ijl,blh->bhij", after.to(dd), log_f)
         elif pe == "shaw":
             kmax = config.max_relative_position
             index = dist.clamp(-kmax, kmax) + kmax
