@@ -174,7 +174,11 @@ def test_beam_search_and_left_padding():
 
 
 def test_continuous_batching_is_refused():
-    from hf_relpos.modeling_relpos import continuous_batching_refusal
+    """The paged cache's blocks are sized head_dim: no room for the gate's channel. One line naming the scheme."""
+    pytest.importorskip("transformers.generation.continuous_batching")
+    from transformers import GenerationConfig
 
-    reason = continuous_batching_refusal(build("fox").config)
-    assert reason is not None and "fox" in reason and "\n" not in reason
+    model = build("fox")
+    with pytest.raises(ValueError, match=r"position_encoding='fox'") as error:
+        model.generate_batch(inputs=[[1, 2, 3]], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False))
+    assert "\n" not in str(error.value)
