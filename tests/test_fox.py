@@ -132,11 +132,12 @@ def test_gate_is_initialised_as_the_authors():
                          "model.layers.0.self_attn.relative.fgate_proj.bias"]
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_cached_equals_uncached(impl):
+@pytest.mark.parametrize("impl,overrides", [("eager", {}), ("sdpa", {}), ("sdpa", {"sliding_window": 4})])
+def test_cached_equals_uncached(impl, overrides):
+    """Also with a sliding window, whose cache keeps only the latest keys (and their log f)."""
     from transformers import DynamicCache
 
-    model = build("fox", impl=impl)
+    model = build("fox", impl=impl, **overrides)
     ids = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(0))
     full = model(ids).logits
     cache = DynamicCache(config=model.config)

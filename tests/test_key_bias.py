@@ -142,7 +142,7 @@ def test_padding_matches_float64_oracle(dtype):
 
 
 def test_trained_key_bias_gets_its_gradient():
-    """A key bias that requires grad (learned slopes) takes the exact form: its gradient matches the oracle's."""
+    """A key bias that requires grad (learned slopes): the kernel's gradient matches the oracle's."""
     H, n = 2, 30
     q, k, v = inputs(13, 1, H, n, 8)
     slopes = torch.tensor([0.5, 0.125], dtype=torch.float64, requires_grad=True)
