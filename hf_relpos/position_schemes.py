@@ -29,7 +29,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_utils import _exporting
 from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
-from .kernels import KEY_BIAS_SPAN
 from .functional import (
     alibi_bias,
     alibi_key_bias,
@@ -48,6 +47,7 @@ from .functional import (
     t5_position_bias,
     transformer_xl_attention,
 )
+from .kernels import KEY_BIAS_SPAN
 
 def eager_attention_forward(
     module: nn.Module,

@@ -168,12 +168,14 @@ def test_causal_key_bias_matches_the_formula_and_the_exact_form(padded, chunk):
     allowed = (j <= i) & (keys if padded else True)
     want = softmax_attention64(q, k, v, -slopes[:, None, None] * (i - j), allowed=allowed)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    # functional's exact form, which a key bias that needs a gradient takes
-    trained = key_bias.clone().requires_grad_(True)
-    assert not kernels.causal_key_bias_applies(q, k, v, trained, mask)
-    torch.testing.assert_close(got, F.causal_key_bias_attention(q, k, v, trained, attention_mask=mask),
-                               rtol=0, atol=1e-12)
     grads_agree(got, want, (q, k, v), atol=1e-11, names="q k v".split())
+    # a key bias that needs a gradient (FoX's, per batch row) takes the kernel too: its gradient from the extra channel
+    trained = (key_bias + torch.randn(B, H, n, generator=g, dtype=torch.float64)).requires_grad_(True)
+    assert kernels.causal_key_bias_applies(q, k, v, trained, mask)
+    got = kernels.causal_key_bias(q, k, v, trained, attention_mask=mask, chunk=chunk)
+    want = softmax_attention64(q, k, v, trained[:, :, None, :] - trained[:, :, :, None], allowed=allowed)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    grads_agree(got, want, (q, k, v, trained), atol=1e-11, names="q k v key_bias".split())
 
 
 def test_causal_key_bias_applies_only_where_it_computes_the_contract():
