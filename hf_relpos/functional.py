@@ -835,10 +835,10 @@ def causal_key_bias_attention(
         makes), :func:`kernels.causal_key_bias`: the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
         fused kernel with its causal flag, which skips the masked half; no ``[Q, K]`` tensor, and the
         bias's gradient ``Σ_i dS_ij`` comes from the kernel's backward. The kernel adds the bias in the
-        inputs' precision, measured from the last row of each chunk: the values it adds for the keys that
-        matter stay below the bias's spread over the chunk, ALiBi's ``m_h · 2048`` over
-        ``kernels.KEY_BIAS_CHUNK`` rows (6e-5 in float32 for slope 1/2, against 1e-6 for the exact form),
-        at most ``span`` where it is given. Elsewhere (other devices, half precision, where that error
+        inputs' precision, measured from the middle row of each chunk: the values it adds for the keys that
+        matter stay below half the bias's spread over the chunk, ALiBi's ``m_h · 1024`` over
+        ``kernels.KEY_BIAS_CHUNK`` rows (3e-5 in float32 for slope 1/2, against 1e-6 for the exact form),
+        at most ``span / 2`` where it is given (FoX: 1024, 1.2e-4 in float32 whatever the gate). Elsewhere (other devices, half precision, where that error
         would be large, other masks) the bias is applied exactly as ``key_bias[j] - key_bias[i]`` over
         ``[B|1, H, n, n]``.
 

@@ -63,11 +63,13 @@ SHAW_BAND_MIN_LENGTH = 512
 BIAS_BAND_MIN_LENGTH = 1536
 CAUSAL_BIAS_BAND_MIN_LENGTH = 1024
 TXL_CHUNK = 256  # query rows per chunk of Transformer-XL attention
-# Query rows per call of the per-key kernel: the bias the kernel adds stays within m·2048 (ALiBi, slope m).
+# Query rows per call of the per-key kernel: the bias the kernel adds stays within m·1024 (ALiBi, slope m).
 KEY_BIAS_CHUNK = 2048
 # The most a learned per-key bias (FoX's -cumsum(log f)) may spread over one chunk of the per-key kernel: fewer rows
-# where it spreads faster, so that float32 logits round at most about eps·256 (3e-5), below ALiBi's bound.
-KEY_BIAS_SPAN = 256.0
+# where it spreads faster, so that float32 logits round at most about eps·1024 (1.2e-4) whatever the gate, as ALiBi's
+# do with slope 1; FoX's initial gate (f about 1/2) spreads by 1420 over 2048 rows: one chunk. More chunks cost time
+# (each chunk's own causal block runs slower than its share of one causal call).
+KEY_BIAS_SPAN = 2048.0
 # Rows of the FIRE MLP's [rows, K, width] hidden layer formed at a time: memory stays bounded at any length.
 FIRE_ELEMENTS = 1 << 22
 
@@ -657,14 +659,14 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
 
     Rows ``a .. b-1`` meet the keys before ``a`` (all visible) and their own square block (causal) in
     two kernel calls merged by log-sum-exp. ``key_bias`` is ``[B|1, H, n]`` (ALiBi's is the same for every
-    row of the batch; FoX's depends on the tokens). Each chunk measures the bias from its last row,
-    ``key_bias[j] - key_bias[b-1]`` (formed in the key bias's own precision, float64 from the models), and
+    row of the batch; FoX's depends on the tokens). Each chunk measures the bias from its middle row ``r``,
+    ``key_bias[j] - key_bias[r]`` (formed in the key bias's own precision, float64 from the models), and
     the kernel adds it in the inputs' precision: a key that matters to row ``i`` (one not decayed away)
-    carries about ``|key_bias[i] - key_bias[b-1]|``, so the logits round at ``eps`` times the chunk's
+    carries about ``|key_bias[i] - key_bias[r]|``, so the logits round at ``eps`` times half the chunk's
     spread of the bias. A chunk ends after ``chunk`` rows, or earlier (``span``) where the bias spreads by
-    more than ``span`` over it (a strongly forgetting FoX gate), which bounds that error by ``eps · span``
-    whatever the gate; a key far in the past carries a larger error only in proportion to its decayed
-    weight. The backward runs the kernel's backward for each part with the merged output and log-sum-exp;
+    more than ``span`` over it (a strongly forgetting FoX gate), which bounds that error by about
+    ``eps · span / 2`` whatever the gate; a key far in the past carries a larger error only in proportion
+    to its decayed weight (``x · e^-x <= 1/e``). The backward runs the kernel's backward for each part with the merged output and log-sum-exp;
     the bias's gradient ``Σ_i dS_ij`` comes from the same backward with one more channel: ``q' = [q, 1]``,
     ``k' = [k, rel_j / scale]`` (and a zero channel on ``v``), whose key gradient's last channel is
     ``scale · Σ_i dS_ij``. ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with no key left gives zeros.
@@ -689,7 +691,8 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
     def _parts(q, key_bias, keys, start, stop, grad=False):
         """The chunk's (keys slice, causal, additive mask, alive rows or None, bias) for the prefix and its own
         block; with ``grad``, the mask holds the key mask alone and the bias ``rel`` rides in a channel."""
-        rel = (key_bias[..., :stop] - key_bias[..., stop - 1 : stop]).to(q.dtype)[:, :, None, :]  # [B|1, H, 1, stop]
+        ref = (start + stop - 1) // 2  # the chunk's middle row: its rows' own keys carry at most half its spread
+        rel = (key_bias[..., :stop] - key_bias[..., ref : ref + 1]).to(q.dtype)[:, :, None, :]  # [B|1, H, 1, stop]
         mask = None if grad else rel
         if keys is not None:  # -inf (not finfo.min): the kernel then gives a row with no key zeros
             hidden = ~keys[..., None, :stop]
@@ -757,11 +760,11 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
                 dk[:, :, cols] += gk[..., :D]
                 dv[:, :, cols] += gv[..., : dv.shape[-1]]
                 if grad_bias:
-                    # rel_j = key_bias[j] - key_bias[stop-1]: the second term's share (zero up to rounding, as
+                    # rel_j = key_bias[j] - key_bias[ref]: the second term's share (zero up to rounding, as
                     # each row's dS sums to zero) is kept so that the gradient is that of what was computed.
                     g = gk[..., D] / ctx.scale
                     drel[:, :, cols] += g
-                    drel[:, :, stop - 1] -= g.sum(-1)
+                    drel[:, :, (start + stop - 1) // 2] -= g.sum(-1)
         dbias = None
         if grad_bias:
             dbias = drel.sum_to_size(key_bias.shape).to(key_bias.dtype)
