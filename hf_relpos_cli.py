@@ -29,7 +29,8 @@ from typing import Optional
 # hf_relpos.POSITION_ENCODINGS and the preset names of hf_relpos.commands.train.PRESETS, restated so that parsing
 # needs no torch (tests/test_cli_safety.py keeps them equal).
 SCHEMES = (
-    "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope", "fox",
+    "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
+    "fox",
 )
 PRESET_NAMES = ("small", "tiny")
 EXPORT_FORMATS = ("onnx", "pt2")  # hf_relpos.commands.export.FORMATS, restated: parsing needs no torch

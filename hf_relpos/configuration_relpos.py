@@ -10,7 +10,8 @@ from transformers import PreTrainedConfig
 from .functional import t5_exact_buckets
 
 POSITION_ENCODINGS = (
-    "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope", "fox",
+    "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
+    "fox",
 )
 # Schemes defined for causal attention only: NoPE's positions come from the causal mask alone, and FIRE
 # normalises distances by the query's position, which bounds them only for keys at or before it; FoX's forget

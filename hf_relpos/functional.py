@@ -838,9 +838,9 @@ def causal_key_bias_attention(
         inputs' precision, measured from the middle row of each chunk: the values it adds for the keys that
         matter stay below half the bias's spread over the chunk, ALiBi's ``m_h · 1024`` over
         ``kernels.KEY_BIAS_CHUNK`` rows (3e-5 in float32 for slope 1/2, against 1e-6 for the exact form),
-        at most ``span / 2`` where it is given (FoX: 1024, 1.2e-4 in float32 whatever the gate). Elsewhere (other devices, half precision, where that error
-        would be large, other masks) the bias is applied exactly as ``key_bias[j] - key_bias[i]`` over
-        ``[B|1, H, n, n]``.
+        at most ``span / 2`` where it is given (FoX: 1024, 1.2e-4 in float32 whatever the gate).
+        Elsewhere (other devices, half precision, where that error would be large, other masks) the bias
+        is applied exactly as ``key_bias[j] - key_bias[i]`` over ``[B|1, H, n, n]``.
 
     Reference: ``alibi_causal_oracle`` in ``tests/test_key_bias.py``; ``fox_oracle`` in ``tests/test_fox.py``.
     """

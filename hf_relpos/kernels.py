@@ -666,10 +666,11 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
     spread of the bias. A chunk ends after ``chunk`` rows, or earlier (``span``) where the bias spreads by
     more than ``span`` over it (a strongly forgetting FoX gate), which bounds that error by about
     ``eps · span / 2`` whatever the gate; a key far in the past carries a larger error only in proportion
-    to its decayed weight (``x · e^-x <= 1/e``). The backward runs the kernel's backward for each part with the merged output and log-sum-exp;
-    the bias's gradient ``Σ_i dS_ij`` comes from the same backward with one more channel: ``q' = [q, 1]``,
-    ``k' = [k, rel_j / scale]`` (and a zero channel on ``v``), whose key gradient's last channel is
-    ``scale · Σ_i dS_ij``. ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with no key left gives zeros.
+    to its decayed weight (``x · e^-x <= 1/e``). The backward runs the kernel's backward for each part with
+    the merged output and log-sum-exp; the bias's gradient ``Σ_i dS_ij`` comes from the same backward with
+    one more channel: ``q' = [q, 1]``, ``k' = [k, rel_j / scale]`` (and a zero channel on ``v``), whose key
+    gradient's last channel is ``scale · Σ_i dS_ij``. ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with
+    no key left gives zeros.
     """
 
     @staticmethod

@@ -79,7 +79,9 @@ def errors(path, inputs, keys=None):
     wrt = (q, k, v, w, b)
     got_grads = torch.autograd.grad(got, wrt, grad.to(got.dtype))
     want_grads = torch.autograd.grad(want, wrt, grad)
-    return [(got - want).abs().max().item()] + [(a.double() - b).abs().max().item() for a, b in zip(got_grads, want_grads)]
+    return [(got - want).abs().max().item()] + [
+        (a.double() - b).abs().max().item() for a, b in zip(got_grads, want_grads)
+    ]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-4)])
