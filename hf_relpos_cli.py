@@ -236,7 +236,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="runs trained at once, one thread each (default: the CPU cores available)")
     p.add_argument("--quick", action="store_true",
-                   help=f"a few-minute run (at most 200 steps, 1 seed, tasks copy sort parity unless --tasks), marked as such")
+                   help="a few-minute run (at most 200 steps, 1 seed, tasks copy sort parity unless --tasks), marked as such")
     p.add_argument("--resume", action="store_true", help="train only the runs not yet recorded in --output-dir")
     p.add_argument("--overwrite", action="store_true", help="train every run again and replace the table in --output-dir")
     p.add_argument("--quiet", action="store_true", help="print only the final line (and errors)")

@@ -243,3 +243,22 @@ def test_the_parser_restates_the_tasks_and_takes_the_schemes_from_the_registry()
 
     assert hf_relpos_cli.LENGTHGEN_TASKS == lg.TASKS
     assert command._all_schemes() == list(POSITION_ENCODINGS)
+
+
+def test_runs_in_worker_processes_match_runs_in_this_one(tmp_path):
+    """--jobs 2 trains in two spawned processes of one thread each: the same records as in this process."""
+    out = tmp_path / "lg"
+    argv = ["lengthgen", "--tasks", "parity", "--schemes", "alibi", "rope", "--seeds", "1", "--output-dir", str(out),
+            *TINY[:-3], "--jobs", "2", "--quiet"]
+    assert hf_relpos_cli.main(argv) == 0
+    settings = json.loads(command.record_path(out, "parity", "alibi", 0).read_text())["settings"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for scheme in ("alibi", "rope"):
+            record = json.loads(command.record_path(out, "parity", scheme, 0).read_text())
+            here = command.run_one("parity", scheme, 0, settings)
+            assert record["right_by_length"] == here["right_by_length"]
+            assert record["final_train_loss"] == pytest.approx(here["final_train_loss"], rel=1e-6)
+    finally:
+        torch.set_num_threads(threads)

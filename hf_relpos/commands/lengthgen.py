@@ -211,28 +211,38 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
 
 def _train_runs(todo: list, settings: dict, jobs: int):
     """Yield ``(run, record)`` as each run finishes: in this process for one job, else in ``jobs`` processes of one
-    thread each (many small models train faster side by side than one at a time on several threads)."""
+    thread each (many small models train faster side by side than one at a time on several threads). Ctrl-C (or
+    a failed run) stops the other processes at once: a run whose record is not written is trained again later."""
     if jobs == 1:
         for run in todo:
             yield run, run_one(*run, settings)
         return
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start)
+    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_worker_start)
     try:
-        futures = {pool.submit(run_one, *run, settings): run for run in todo}
-        for future in as_completed(futures):
-            yield futures[future], future.result()
+        yield from pool.imap_unordered(_run_spec, [(run, settings) for run in todo])
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.join()
+
+
+def _run_spec(spec: tuple) -> tuple:
+    run, settings = spec
+    return run, run_one(*run, settings)
 
 
 def _worker_start() -> None:
+    import signal
+
     import torch
 
     from .common import library_output_off
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
     torch.set_num_threads(1)
     library_output_off().__enter__()  # for the worker's life: no Transformers bars or info lines
 
@@ -416,8 +426,9 @@ def render_table(rows: list, meta: dict) -> str:
                   "smoke test, not comparable with full runs.", ""]
     lines += [
         "Exact-match accuracy (%) of greedy decoding, "
-        + (f"mean ± standard deviation over {len(seeds)} seeds" if len(seeds) > 1 else "1 seed") + f"; trained on instance lengths U(1, {length}), tested on "
-        f"{meta['test_per_length']} instances at each length 1-{2 * length} (the same for every scheme and seed).",
+        + (f"mean ± standard deviation over {len(seeds)} seeds" if len(seeds) > 1 else "1 seed")
+        + f"; trained on instance lengths U(1, {length}), tested on {meta['test_per_length']} instances at each "
+        f"length 1-{2 * length} (the same for every scheme and seed).",
         "",
         f"### All tasks (mean over {len(meta['tasks'])}), sorted by out-of-distribution accuracy",
         "",
