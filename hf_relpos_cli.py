@@ -11,7 +11,7 @@ Exit status: 0 on success; 2 for a user error, printed as one line
 or ``HF_RELPOS_DEBUG=1``); 130 after Ctrl-C; an unexpected exception prints its traceback (1).
 
 Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``compare``, ``inspect``, ``export``,
-``serve``. Without ``make``::
+``serve``, ``lengthgen``. Without ``make``::
 
     hf-relpos train --position-encoding alibi --output-dir runs/alibi --steps 300
     hf-relpos inspect runs/alibi --prompt "The for statement"   # runs/alibi/inspect/*.png
@@ -32,7 +32,9 @@ SCHEMES = (
     "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",
     "fox",
 )
-PRESET_NAMES = ("small", "tiny")
+PRESET_NAMES = ("micro", "small", "tiny")
+# hf_relpos.lengthgen.TASKS, restated: parsing needs no torch
+LENGTHGEN_TASKS = ("copy", "reverse", "sort", "addition", "summation", "parity")
 EXPORT_FORMATS = ("onnx", "pt2")  # hf_relpos.commands.export.FORMATS, restated: parsing needs no torch
 INSPECT_PROMPT = "The for statement is used to iterate over the elements of a sequence."
 MIN_VOCAB = 259  # the byte-level BPE's 256 byte tokens and its 3 special tokens (hf_relpos.data.SPECIAL_TOKENS)
@@ -50,6 +52,7 @@ COMMANDS = {
     "inspect": "hf_relpos.commands.inspect:inspect_command",
     "export": "hf_relpos.commands.export:export_command",
     "serve": "hf_relpos.commands.serve:serve_command",
+    "lengthgen": "hf_relpos.commands.lengthgen:lengthgen_command",
 }
 
 
@@ -217,6 +220,28 @@ def parser() -> argparse.ArgumentParser:
                    help="evaluate with sliding windows moving by L tokens (default: non-overlapping segments)")
     _add_training_arguments(p, steps=500, seq_len=128)
 
+    p = command("lengthgen", "the length-generalisation protocol of Kazemnejad et al. 2023 on synthetic tasks")
+    p.add_argument("--output-dir", default=None,
+                   help="where the table (md, json), plot and run records go (default: a new runs/lengthgen-<date>-<time>)")
+    p.add_argument("--tasks", nargs="+", choices=LENGTHGEN_TASKS, default=None,
+                   help="tasks (default: all; --quick: copy sort parity)")
+    p.add_argument("--schemes", nargs="+", choices=SCHEMES, default=None, help="schemes (default: all)")
+    p.add_argument("--seeds", type=positive_int, default=3, help="seeds per task and scheme (--seed, --seed + 1, ...)")
+    p.add_argument("--seed", type=seed_number, default=0, help=f"the first seed (0 to {MAX_SEED})")
+    p.add_argument("--train-length", type=positive_int, default=20,
+                   help="L: training instances have U(1, L) input items, test instances 1 to 2L")
+    p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps per run")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="instances per optimizer step")
+    p.add_argument("--learning-rate", type=positive_float, default=3e-3, help="peak AdamW learning rate (cosine schedule)")
+    p.add_argument("--preset", choices=PRESET_NAMES, default="micro", help="model size")
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help="runs trained at once, one thread each (default: the CPU cores available)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few-minute run (at most 200 steps, 1 seed, tasks copy sort parity unless --tasks), marked as such")
+    p.add_argument("--resume", action="store_true", help="train only the runs not yet recorded in --output-dir")
+    p.add_argument("--overwrite", action="store_true", help="train every run again and replace the table in --output-dir")
+    p.add_argument("--quiet", action="store_true", help="print only the final line (and errors)")
+
     p = command("inspect", "figures of what a trained folder learned about position (PNG)")
     p.add_argument("folder", help="a folder written by `hf-relpos train`")
     p.add_argument("--prompt", default=INSPECT_PROMPT, help="the text whose attention maps are drawn")
@@ -265,9 +290,9 @@ def _given(argv: list, command: str) -> list:
 
 def main(argv: Optional[list] = None) -> int:
     args = parser().parse_args(argv)
-    if args.command == "compare" and args.seed + args.seeds - 1 > MAX_SEED:  # compare runs seeds --seed, --seed + 1, ...
-        print(f"hf-relpos compare: error: --seed {args.seed} with --seeds {args.seeds} runs seeds up to "
-              f"{args.seed + args.seeds - 1}, past {MAX_SEED} (see hf-relpos compare --help)", file=sys.stderr)
+    if args.command in ("compare", "lengthgen") and args.seed + args.seeds - 1 > MAX_SEED:  # compare runs seeds --seed, --seed + 1, ...
+        print(f"hf-relpos {args.command}: error: --seed {args.seed} with --seeds {args.seeds} runs seeds up to "
+              f"{args.seed + args.seeds - 1}, past {MAX_SEED} (see hf-relpos {args.command} --help)", file=sys.stderr)
         return 2
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.given = _given(args.argv, args.command)  # a resume takes the options not given from its checkpoint

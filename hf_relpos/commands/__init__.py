@@ -3,6 +3,7 @@
 - :mod:`.train`: ``train`` and ``eval`` (:func:`~.train.train_model` with :class:`~.train.TrainOptions`);
 - :mod:`.generate`: ``generate``;
 - :mod:`.compare`: ``compare`` and its table (:func:`~.compare.compare` with :class:`~.compare.CompareOptions`);
+- :mod:`.lengthgen`: ``lengthgen`` (the synthetic tasks are :mod:`hf_relpos.lengthgen`);
 - :mod:`.inspect`: ``inspect``;
 - :mod:`.t5`: ``validate-t5`` and ``convert-t5``;
 - :mod:`.serve`: ``serve`` (Transformers' OpenAI-compatible server; the app, :mod:`.serve_app`, needs the ``serve`` extra);
