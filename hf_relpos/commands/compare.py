@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import re
 import shlex
 import sys
@@ -24,7 +25,7 @@ from .common import (
 from .errors import Interrupted, UserError
 from .model_card import format_ppl
 from .plotting import plot
-from .train import TrainOptions, resume_command, train_model
+from .train import TrainOptions, check_corpus_options, resume_command, train_model
 
 # What a comparison folder holds: its table, record and plot, and the models it trained.
 COMPARE_FILE = re.compile(r"compare\.(md|json|png)|models")
@@ -49,6 +50,7 @@ class CompareOptions:
     mem_len: Optional[int] = None
     seed: int = 0
     train_file: Optional[Sequence[str]] = None
+    corpus: Optional[str] = None  # the embedded corpus (None: "docs" unless train_file)
     max_train_bytes: Optional[int] = None
     eval_tokens: Optional[int] = None
     overwrite: bool = False
@@ -70,6 +72,7 @@ def compare(options: CompareOptions) -> Path:
     evaluation lengths and kind; the interrupted one resumes from its checkpoint. Returns the folder written.
     """
     started = time.perf_counter()
+    check_corpus_options(options.corpus, options.train_file)
     if options.quick:
         options = dataclasses.replace(options, steps=min(options.steps, 60), seq_len=min(options.seq_len, 64),
                                       eval_tokens=min(options.eval_tokens or 4096, 4096))
@@ -121,7 +124,7 @@ def _compare(options: CompareOptions, out: Path, started: float) -> Path:
                 output_dir=str(folder), position_encoding=scheme, preset=options.preset, seq_len=options.seq_len,
                 steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
                 vocab_size=options.vocab_size, mem_len=options.mem_len if scheme == "transformer_xl" else None,
-                seed=seed, train_file=options.train_file, max_train_bytes=options.max_train_bytes,
+                seed=seed, train_file=options.train_file, corpus=options.corpus, max_train_bytes=options.max_train_bytes,
                 eval_tokens=options.eval_tokens, overwrite=options.overwrite or bool(afresh),
                 resume=resume, quiet=True, eval_factors=factors, sliding=options.sliding, argv=options.argv,
             )
@@ -142,6 +145,7 @@ def _compare(options: CompareOptions, out: Path, started: float) -> Path:
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "seq_len": options.seq_len, "steps": options.steps, "preset": options.preset, "batch_size": options.batch_size,
         "learning_rate": options.learning_rate, "seeds": seeds, "factors": list(factors),
+        "corpus": options.corpus or ("files" if options.train_file else "docs"), "python": platform.python_version(),
         "eval_tokens": options.eval_tokens, "evaluation": evaluation_name(options.seq_len, options.sliding),
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -233,6 +237,7 @@ def render_table(rows, seq_len, meta) -> str:
     lines += ["", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; "
               f"preset {meta['preset']}, {meta['steps']} steps × batch {meta['batch_size']}, learning rate "
               f"{meta.get('learning_rate')}, seeds {', '.join(map(str, seeds))}"
+              + (f"; corpus {meta['corpus']} (Python {meta['python']})" if "corpus" in meta else "")
               + (f"; {meta['seconds'] / 60:.1f} minutes in all." if "seconds" in meta else ".")]
     return "\n".join(lines) + "\n"
 
