@@ -97,6 +97,7 @@ def test_the_real_stdlib_corpus_is_split_90_5_5_and_names_the_python_version():
     assert total > 2_000_000  # about 12 MB on CPython 3.11
     assert 0.8 < sizes["train"] / total < 0.97 and sizes["validation"] > 50_000 and sizes["test"] > 50_000, sizes
     assert data.corpus("docs")[0] == data.embedded_corpus()  # the default corpus is the docs, as before
+    assert hf_relpos_cli.CORPORA == data.CORPORA  # restated by the torch-free parser
 
 
 @pytest.mark.parametrize("argv", [
