@@ -212,3 +212,23 @@ def test_compare_tokenizes_once_and_reevaluates_sliding_without_training(on_smal
         assert sliding == {str(n): p for n, p in direct.items()}
         assert direct[32] != old["test_ppl_by_length"]["32"]  # another evaluation indeed
         assert rows[path.parent.parent.name]["ppl_2x_seeds"] == [direct[32]]
+
+
+def test_resume_on_another_corpus_is_one_line(tmp_path, capsys):
+    """A checkpoint records its corpus: resuming it with another --corpus is refused, also for a checkpoint of
+    before --corpus (recorded without it: the docs)."""
+    from hf_relpos.commands.common import TIME_FILE
+
+    out = tmp_path / "model"
+    assert run(["train", "--output-dir", str(out), *TINY, "--quiet"], capsys)[0] == 0
+    records = list((tmp_path / "model-checkpoints").glob(f"checkpoint-*/{TIME_FILE}"))
+    assert records and all(json.loads(r.read_text())["options"]["corpus"] == "docs" for r in records)
+    for older in (False, True):
+        if older:
+            for record in records:
+                saved = json.loads(record.read_text())
+                del saved["options"]["corpus"]
+                record.write_text(json.dumps(saved))
+        code, _, err = run(["train", "--output-dir", str(out), "--corpus", "stdlib", "--resume", "--quiet"], capsys)
+        err = one_line_error(code, err, "train")
+        assert "--corpus 'docs'" in err and "--corpus 'stdlib'" in err, err
