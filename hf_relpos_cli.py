@@ -39,6 +39,7 @@ EXPORT_FORMATS = ("onnx", "pt2")  # hf_relpos.commands.export.FORMATS, restated:
 INSPECT_PROMPT = "The for statement is used to iterate over the elements of a sequence."
 MIN_VOCAB = 259  # the byte-level BPE's 256 byte tokens and its 3 special tokens (hf_relpos.data.SPECIAL_TOKENS)
 MAX_TEXT_BYTES = 8 * 2**20  # hf_relpos.data.MAX_TEXT_BYTES, restated: this module imports no torch
+CORPORA = ("docs", "stdlib")  # hf_relpos.data.CORPORA, restated: parsing needs no torch
 
 # What each command runs: "module:function", imported only once the command line has parsed. Each function takes
 # the parsed namespace and returns the exit status (None: 0).
@@ -149,8 +150,12 @@ def _add_training_arguments(p, steps: int, seq_len: int) -> None:
     p.add_argument("--mem-len", type=non_negative_int, default=None,
                    help="Transformer-XL memory in tokens (transformer_xl only; default: the sequence length)")
     p.add_argument("--seed", type=seed_number, default=0, help=f"random seed (model init, data order; 0 to {MAX_SEED})")
-    p.add_argument("--train-file", nargs="+", default=None, metavar="PATH",
-                   help="your own UTF-8 text files instead of the embedded corpus (Python's bundled docs)")
+    text = p.add_mutually_exclusive_group()  # one line naming both flags when both are given
+    text.add_argument("--train-file", nargs="+", default=None, metavar="PATH",
+                      help="your own UTF-8 text files instead of the embedded corpus (Python's bundled docs)")
+    text.add_argument("--corpus", choices=CORPORA, default=None,
+                      help="the embedded corpus: docs (Python's bundled documentation, the default) or stdlib (the "
+                           "standard library's source, split by module); not with --train-file")
     p.add_argument("--max-train-bytes", type=positive_int, default=MAX_TEXT_BYTES, metavar="BYTES",
                    help="refuse --train-file text larger than this (tokenizing takes ~200 bytes of memory per byte)")
     p.add_argument("--eval-tokens", type=positive_int, default=None, help="cap on held-out tokens evaluated (default: all)")
@@ -195,8 +200,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=sequence_length, default=None, help=f"L (>= {MIN_SEQ_LEN}; default: the training length)")
     p.add_argument("--factors", type=positive_int, nargs="+", default=[1, 2, 4],
                    help="evaluation lengths as multiples of L (each at most the tokens evaluated)")
-    p.add_argument("--eval-file", nargs="+", default=None, metavar="PATH",
-                   help="UTF-8 text files whose last 5%% is evaluated (default: the embedded corpus' test split)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--eval-file", nargs="+", default=None, metavar="PATH",
+                      help="UTF-8 text files whose last 5%% is evaluated (default: the embedded corpus' test split)")
+    text.add_argument("--corpus", choices=CORPORA, default=None,
+                      help="evaluate this embedded corpus' test split (default: the one the folder was trained on); "
+                           "not with --eval-file")
     p.add_argument("--max-eval-bytes", type=positive_int, default=MAX_TEXT_BYTES, metavar="BYTES",
                    help="refuse --eval-file text larger than this (tokenizing takes ~200 bytes of memory per byte)")
     p.add_argument("--eval-tokens", type=positive_int, default=None, help="cap on held-out tokens evaluated (default: all)")

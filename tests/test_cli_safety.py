@@ -524,20 +524,21 @@ def test_resume_with_other_options_is_a_user_error(tmp_path, capsys):
     assert code == 0, err
 
 
-def test_compare_resume_with_other_evaluation_is_a_user_error(tmp_path, capsys):
-    """compare --resume reuses finished runs only if they were evaluated as asked: other --factors or --sliding
-    are one line naming them (not a KeyError, nor a table mixing two kinds of evaluation)."""
+def test_compare_resume_with_other_text_or_length_is_a_user_error(tmp_path, capsys):
+    """compare --resume reuses finished runs only if they were trained on this command's text and length: another
+    --corpus or --seq-len is one line naming it (another --factors or --sliding evaluates the saved models anew:
+    tests/test_corpus.py)."""
     out = tmp_path / "cmp"
-    base = ["compare", "--quick", "--schemes", "alibi", "--seeds", "1", "--steps", "2", "--seq-len", "16",
-            "--batch-size", "2", "--vocab-size", "300", "--eval-tokens", "64", "--output-dir", str(out), "--quiet"]
-    assert run(base + ["--factors", "1", "2"], capsys)[0] == 0
+    base = ["compare", "--quick", "--schemes", "alibi", "--seeds", "1", "--steps", "2", "--batch-size", "2",
+            "--vocab-size", "300", "--eval-tokens", "64", "--factors", "1", "2", "--output-dir", str(out), "--quiet"]
+    assert run(base + ["--seq-len", "16"], capsys)[0] == 0
     table = (out / "compare.md").read_text()
-    for extra in (["--factors", "1", "2", "4"], ["--factors", "1", "2", "--sliding"]):
+    for extra, flag in ((["--seq-len", "16", "--corpus", "stdlib"], "--corpus stdlib"), (["--seq-len", "32"], "--seq-len")):
         code, _, err = run(base + extra + ["--resume"], capsys)
         err = one_line_error(code, err, "compare")
-        assert "--factors" in err and "--sliding" in err, err
+        assert flag in err, err
         assert (out / "compare.md").read_text() == table  # nothing rewritten
-    assert run(base + ["--factors", "1", "2", "--resume"], capsys)[0] == 0  # the same evaluation resumes
+    assert run(base + ["--seq-len", "16", "--resume"], capsys)[0] == 0  # the same runs resume
 
 
 @pytest.mark.parametrize("scheme", ["t5_bias", "transformer_xl"])

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import re
 import shlex
 import sys
@@ -24,10 +25,11 @@ from .common import (
 from .errors import Interrupted, UserError
 from .model_card import format_ppl
 from .plotting import plot
-from .train import TrainOptions, resume_command, train_model
+from .train import TrainOptions, check_corpus_options, resume_command, train_model
 
-# What a comparison folder holds: its table, record and plot, and the models it trained.
-COMPARE_FILE = re.compile(r"compare\.(md|json|png)|models")
+# What a comparison folder holds: its tables (compare.*: non-overlapping segments, compare-sliding.*: sliding
+# windows), their records and plots, and the models it trained.
+COMPARE_FILE = re.compile(r"compare(-sliding)?\.(md|json|png)|models")
 
 
 @dataclasses.dataclass
@@ -49,6 +51,7 @@ class CompareOptions:
     mem_len: Optional[int] = None
     seed: int = 0
     train_file: Optional[Sequence[str]] = None
+    corpus: Optional[str] = None  # the embedded corpus (None: "docs" unless train_file)
     max_train_bytes: Optional[int] = None
     eval_tokens: Optional[int] = None
     overwrite: bool = False
@@ -67,9 +70,13 @@ def compare(options: CompareOptions) -> Path:
     Writes into a fresh ``runs/compare-<date>-<time>`` unless ``--output-dir`` says where (a folder that
     already holds results needs ``--overwrite``). ``--resume`` continues an interrupted comparison:
     finished runs (scheme and seed) are read from their training records, which must hold this command's
-    evaluation lengths and kind; the interrupted one resumes from its checkpoint. Returns the folder written.
+    evaluation lengths and kind; the interrupted one resumes from its checkpoint. A finished run not yet evaluated
+    as this command asks (``--sliding``, other ``--factors``) has its saved model evaluated so, nothing retrained;
+    its record keeps both evaluations. The sliding table is ``compare-sliding.*``, beside ``compare.*``. Returns
+    the folder written.
     """
     started = time.perf_counter()
+    check_corpus_options(options.corpus, options.train_file)
     if options.quick:
         options = dataclasses.replace(options, steps=min(options.steps, 60), seq_len=min(options.seq_len, 64),
                                       eval_tokens=min(options.eval_tokens or 4096, 4096))
@@ -106,11 +113,16 @@ def _compare(options: CompareOptions, out: Path, started: float) -> Path:
     rows = []
     runs = [(scheme, seed) for scheme in schemes for seed in seeds]
     summaries = {}
+    reevaluated = 0
+    test_stream = _TestText(options)
     for scheme, seed in tqdm(runs, desc="schemes x seeds", disable=options.quiet):
         folder = out / "models" / scheme / f"seed-{seed}"
         done = (folder / RUN_FILE).is_file() and options.resume
         if done:
-            _check_resumed_record(folder, options.seq_len, options.sliding, factors)
+            _check_resumed_record(folder, options)
+            if _evaluated(json.loads((folder / RUN_FILE).read_text()), options.seq_len, options.sliding, factors) is None:
+                reevaluate(folder, test_stream, options.seq_len, options.sliding, factors, options.eval_tokens)
+                reevaluated += 1
         else:
             checkpoints = checkpoints_dir(folder)
             resumable = options.resume and last_checkpoint(checkpoints) is not None
@@ -121,7 +133,7 @@ def _compare(options: CompareOptions, out: Path, started: float) -> Path:
                 output_dir=str(folder), position_encoding=scheme, preset=options.preset, seq_len=options.seq_len,
                 steps=options.steps, batch_size=options.batch_size, learning_rate=options.learning_rate,
                 vocab_size=options.vocab_size, mem_len=options.mem_len if scheme == "transformer_xl" else None,
-                seed=seed, train_file=options.train_file, max_train_bytes=options.max_train_bytes,
+                seed=seed, train_file=options.train_file, corpus=options.corpus, max_train_bytes=options.max_train_bytes,
                 eval_tokens=options.eval_tokens, overwrite=options.overwrite or bool(afresh),
                 resume=resume, quiet=True, eval_factors=factors, sliding=options.sliding, argv=options.argv,
             )
@@ -130,7 +142,8 @@ def _compare(options: CompareOptions, out: Path, started: float) -> Path:
             except Interrupted as stop:
                 raise Interrupted(f"comparison interrupted while training {scheme} (seed {seed}): {stop}",
                                   resume_command(options.argv)) from None
-        summaries.setdefault(scheme, []).append(json.loads((folder / RUN_FILE).read_text()))
+        record = json.loads((folder / RUN_FILE).read_text())
+        summaries.setdefault(scheme, []).append(_evaluated(record, options.seq_len, options.sliding, factors))
         if len(summaries[scheme]) == len(seeds):
             rows.append(compare_row(scheme, summaries[scheme], options.seq_len, factors))
             if not options.quiet:
@@ -142,18 +155,22 @@ def _compare(options: CompareOptions, out: Path, started: float) -> Path:
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "seq_len": options.seq_len, "steps": options.steps, "preset": options.preset, "batch_size": options.batch_size,
         "learning_rate": options.learning_rate, "seeds": seeds, "factors": list(factors),
+        "corpus": options.corpus or ("files" if options.train_file else "docs"), "python": platform.python_version(),
         "eval_tokens": options.eval_tokens, "evaluation": evaluation_name(options.seq_len, options.sliding),
         "seconds": round(time.perf_counter() - started, 1),
     }
+    if reevaluated:
+        meta["reevaluated_runs"] = reevaluated  # finished runs whose saved models were evaluated anew, not retrained
     table = render_table(rows, options.seq_len, meta)
+    name = "compare-sliding" if options.sliding else "compare"
     with writing(out, f" and resume with: {resume_command(options.argv)} (the trained models are kept)"):
         out.mkdir(parents=True, exist_ok=True)
-        (out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        (out / "compare.md").write_text(table)
-        plot(rows, options.seq_len, factors, out / "compare.png", quick=meta["quick"])
+        (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        (out / f"{name}.md").write_text(table)
+        plot(rows, options.seq_len, factors, out / f"{name}.png", quick=meta["quick"])
     if not options.quiet:
         print(table)
-    print(f"Wrote {out}/compare.md, compare.json and compare.png")
+    print(f"Wrote {out}/{name}.md, {name}.json and {name}.png")
     return out
 
 
@@ -163,18 +180,86 @@ def _all_schemes():
     return POSITION_ENCODINGS
 
 
-def _check_resumed_record(folder: Path, seq_len: int, sliding: bool, factors) -> None:
-    """A finished run reused by ``--resume`` must have been evaluated as this command asks."""
+def _check_resumed_record(folder: Path, options: CompareOptions) -> None:
+    """A finished run reused by ``--resume`` must have been trained on this command's text and length (its other
+    options are the comparison's own, as it trained it)."""
     record = json.loads((folder / RUN_FILE).read_text())
-    lengths = sorted(int(n) for n in record["test_ppl_by_length"])
-    evaluation = record.get("evaluation", "non-overlapping segments")
-    wanted = [seq_len * f for f in factors]
-    if not set(wanted) <= set(lengths) or evaluation != evaluation_name(seq_len, sliding):
-        raise UserError(
-            f"--resume: {folder} was evaluated at lengths {lengths} ({evaluation}), this command asks for {wanted} "
-            f"({evaluation_name(seq_len, sliding)}): resume with the original --factors and --sliding, or use a new "
-            "--output-dir"
-        )
+    wanted = options.corpus or (None if options.train_file else "docs")
+    if "corpus_name" in record and record["corpus_name"] != wanted:  # records of before --corpus: docs or files
+        given = "--train-file" if wanted is None else f"--corpus {wanted}"
+        raise UserError(f"--resume: {folder} was trained on {record['corpus']}, this command gives {given}: resume "
+                        "with the original text, or use a new --output-dir")
+    if record.get("seq_len", options.seq_len) != options.seq_len:
+        raise UserError(f"--resume: {folder} was trained at --seq-len {record['seq_len']}, this command gives "
+                        f"{options.seq_len}: resume with the original --seq-len, or use a new --output-dir")
+
+
+def _evaluated(record: dict, seq_len: int, sliding: bool, factors) -> Optional[dict]:
+    """The record as evaluated the way asked (its ``test_ppl_by_length`` and ``test_ppl`` from that evaluation,
+    whether made in training or by a later re-evaluation), or None when some length was not evaluated so."""
+    name = evaluation_name(seq_len, sliding)
+    by_length = dict(record["test_ppl_by_length"]) if record.get("evaluation", evaluation_name(0, False)) == name else {}
+    by_length.update(record.get("evaluations", {}).get(name, {}).get("test_ppl_by_length", {}))
+    if not {str(seq_len * f) for f in factors} <= set(by_length):
+        return None
+    return {**record, "evaluation": name, "test_ppl_by_length": by_length, "test_ppl": by_length[str(seq_len)]}
+
+
+class _TestText:
+    """The comparison's held-out test text, read once and only if a run is re-evaluated; and its default cap."""
+
+    def __init__(self, options: CompareOptions):
+        self.options = options
+        self.text = None
+
+    def stream(self, tokenizer):
+        from ..data import MAX_TEXT_BYTES, corpus, encode, read_text_files
+
+        if self.text is None:
+            if self.options.train_file:
+                try:
+                    self.text = read_text_files(self.options.train_file,
+                                                max_bytes=self.options.max_train_bytes or MAX_TEXT_BYTES)["test"]
+                except ValueError as error:
+                    raise UserError(str(error)) from None
+            else:
+                self.text = corpus(self.options.corpus or "docs")[0]["test"]
+        return encode(tokenizer, self.text)
+
+    def default_tokens(self) -> Optional[int]:
+        from ..data import DEFAULT_EVAL_TOKENS
+
+        return None if self.options.train_file else DEFAULT_EVAL_TOKENS.get(self.options.corpus or "docs")
+
+
+def reevaluate(folder: Path, test: _TestText, seq_len: int, sliding: bool, factors, eval_tokens=None) -> dict:
+    """Evaluate a finished run's saved model as asked and add that to its record under ``evaluations`` (the
+    record's own evaluation, made in training, stays as it was). Returns the new evaluation."""
+    from .common import load_folder
+    from .train import evaluate_lengths
+
+    model, tokenizer = load_folder(str(folder))
+    stream = test.stream(tokenizer)
+    max_tokens = eval_tokens or test.default_tokens()
+    name = evaluation_name(seq_len, sliding)
+    ppl = evaluate_lengths(model, stream, [seq_len * f for f in factors], max_tokens,
+                           stride=seq_len if sliding else None)
+    record = json.loads((folder / RUN_FILE).read_text())
+    evaluations = record.setdefault("evaluations", {})
+    earlier = evaluations.get(name, {}).get("test_ppl_by_length", {})
+    evaluations[name] = {
+        "test_ppl_by_length": {**earlier, **{str(n): p for n, p in ppl.items()}},
+        "test_tokens": int(min(stream.numel(), max_tokens or stream.numel())),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    staged = folder / f".{RUN_FILE}.writing"  # replaced whole: the record is never half written
+    try:
+        with writing(folder):
+            staged.write_text(json.dumps(record, indent=2))
+            os.replace(staged, folder / RUN_FILE)
+    finally:
+        staged.unlink(missing_ok=True)  # a write that failed leaves no stray file in the model folder
+    return evaluations[name]
 
 
 def _mean_std(values: list) -> tuple:
@@ -233,6 +318,9 @@ def render_table(rows, seq_len, meta) -> str:
     lines += ["", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}; machine: {meta['machine']}; "
               f"preset {meta['preset']}, {meta['steps']} steps × batch {meta['batch_size']}, learning rate "
               f"{meta.get('learning_rate')}, seeds {', '.join(map(str, seeds))}"
+              + (f"; corpus {meta['corpus']} (Python {meta['python']})" if "corpus" in meta else "")
+              + (f"; {meta['reevaluated_runs']} finished runs evaluated anew from their saved models"
+                 if meta.get("reevaluated_runs") else "")
               + (f"; {meta['seconds'] / 60:.1f} minutes in all." if "seconds" in meta else ".")]
     return "\n".join(lines) + "\n"
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import shlex
 import signal
 import time
@@ -32,8 +33,8 @@ PRESETS = {
     "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
 }
 # The options that shape the model and its data, recorded in each checkpoint: a resume must give the same ones.
-RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len", "train_file", "seed", "batch_size",
-               "learning_rate")
+RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len", "train_file", "corpus", "seed",
+               "batch_size", "learning_rate")
 # Recorded too, and taken from the checkpoint by a resume that does not give them (a resume may train longer;
 # the --train-file limit goes with the files it admitted).
 RECORDED_OPTIONS = RUN_OPTIONS + ("steps", "eval_tokens", "max_train_bytes")
@@ -55,6 +56,7 @@ class TrainOptions:
     mem_len: Optional[int] = None  # Transformer-XL's memory (None: the sequence length)
     seed: int = 0
     train_file: Optional[Sequence[str]] = None  # None: the embedded corpus
+    corpus: Optional[str] = None  # the embedded corpus (data.CORPORA; None: "docs" unless train_file)
     max_train_bytes: Optional[int] = None  # the most --train-file text read (None: data.MAX_TEXT_BYTES)
     eval_tokens: Optional[int] = None  # cap on held-out tokens evaluated (None: all)
     overwrite: bool = False
@@ -74,6 +76,7 @@ class TrainOptions:
 
 def train_model(options: TrainOptions) -> dict:
     """Train one scheme on the corpus and write a Hub-ready folder. Returns the run summary."""
+    check_corpus_options(options.corpus, options.train_file)
     out = output_folder(options.output_dir)
     recorded_scheme = options.resume and options.given is not None and "position_encoding" not in options.given
     if not recorded_scheme:  # else checked once the checkpoint's scheme is read
@@ -122,16 +125,38 @@ def position_parameter_count(model) -> int:
     return count
 
 
+def check_corpus_options(corpus: Optional[str], files, files_flag: str = "--train-file") -> None:
+    """--corpus names an embedded corpus, --train-file / --eval-file give the text: one or the other."""
+    from ..data import CORPORA
+
+    if corpus is not None and corpus not in CORPORA:
+        raise UserError(f"--corpus {corpus!r} is not an embedded corpus; choose from {', '.join(CORPORA)}")
+    if corpus is not None and files:
+        raise UserError(f"--corpus {corpus} and {files_flag} both give the text: pass one of them")
+
+
 def load_corpus(train_files, max_bytes: Optional[int] = None):
-    from ..data import MAX_TEXT_BYTES, embedded_corpus, read_text_files
+    from ..data import MAX_TEXT_BYTES, corpus, read_text_files
 
     if train_files:
         try:
-            corpus = read_text_files(train_files, max_bytes=max_bytes or MAX_TEXT_BYTES)
+            text = read_text_files(train_files, max_bytes=max_bytes or MAX_TEXT_BYTES)
         except ValueError as error:
             raise UserError(str(error)) from None
-        return corpus, "user files: " + ", ".join(Path(f).name for f in train_files)
-    return embedded_corpus(), "Python's bundled documentation (pydoc_data.topics), split 85/5/10 within each topic"
+        return text, "user files: " + ", ".join(Path(f).name for f in train_files)
+    return corpus("docs")
+
+
+def load_data(options: "TrainOptions"):
+    """The run's tokenizer, token streams (train, validation, test) and corpus description: an embedded corpus'
+    are computed once per process (``data.tokenized``), ``--train-file`` text each time (files may change)."""
+    from ..data import encode, tokenized, train_tokenizer
+
+    if options.train_file:
+        text, description = load_corpus(options.train_file, options.max_train_bytes)
+        tokenizer = train_tokenizer([text["train"]], vocab_size=options.vocab_size)
+        return tokenizer, {part: encode(tokenizer, t) for part, t in text.items()}, description
+    return tokenized(options.corpus or "docs", options.vocab_size)
 
 
 class _Progress:
@@ -276,6 +301,7 @@ def _whole_checkpoints(base, record, hint: str, afresh_hint: str):
 
 def _run_options(run: TrainOptions) -> dict:
     options = {name: getattr(run, name) for name in RECORDED_OPTIONS}
+    options["corpus"] = run.corpus or (None if run.train_file else "docs")
     if options["train_file"]:  # the files themselves, wherever the command runs from
         options["train_file"] = [str(Path(f).resolve()) for f in options["train_file"]]
     return options
@@ -292,7 +318,10 @@ def _resumed_options(options: TrainOptions, resume_from: Path) -> TrainOptions:
     if options.given is None:
         return options
     saved = _saved_options(resume_from)
-    taken = {name: saved[name] for name in RECORDED_OPTIONS if name in saved and name not in options.given}
+    given = set(options.given)
+    if given & {"train_file", "corpus"}:  # the text given (either way) replaces the recorded one, not joins it
+        given |= {"train_file", "corpus"}
+    taken = {name: saved[name] for name in RECORDED_OPTIONS if name in saved and name not in given}
     return dataclasses.replace(options, **taken)
 
 
@@ -301,6 +330,8 @@ def _check_resume_options(resume_from: Path, options: dict) -> None:
     saved = _saved_options(resume_from)
     if not saved:
         return  # a checkpoint from before options were recorded
+    if "train_file" in saved:  # recorded before --corpus: the docs, unless files were given
+        saved.setdefault("corpus", None if saved["train_file"] else "docs")
     changed = [name for name in RUN_OPTIONS if name in saved and saved[name] != options[name]]
     if changed:
         flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
@@ -337,7 +368,7 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     from transformers import GenerationConfig, Trainer, TrainingArguments, set_seed
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from ..data import Chunks, encode, train_tokenizer
+    from ..data import DEFAULT_EVAL_TOKENS, Chunks
     from ..memory import MemoryTrainer, OrderedSegments, segment_perplexity
     from ..modeling_relpos import RelPosForCausalLM
     from .model_card import write_model_card
@@ -345,9 +376,7 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     if resume_from is not None:
         _check_resume_options(resume_from, _run_options(options))
     set_seed(options.seed)
-    corpus, corpus_name = load_corpus(options.train_file, options.max_train_bytes)
-    tokenizer = train_tokenizer([corpus["train"]], vocab_size=options.vocab_size)
-    streams = {part: encode(tokenizer, text) for part, text in corpus.items()}
+    tokenizer, streams, corpus_description = load_data(options)
     shortest = min(("train", "validation", "test"), key=lambda part: streams[part].numel())
     if streams[shortest].numel() <= options.seq_len:
         raise UserError(
@@ -461,7 +490,8 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=64, use_cache=True
     )
     test = streams["test"]
-    max_tokens = options.eval_tokens
+    corpus_name = _run_options(options)["corpus"]
+    max_tokens = options.eval_tokens or DEFAULT_EVAL_TOKENS.get(corpus_name)
     stride = options.seq_len if options.sliding else None
     ppl = evaluate_lengths(model, test, [options.seq_len * f for f in options.eval_factors], max_tokens, stride=stride)
     summary = {
@@ -475,7 +505,9 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
         "processes": training_args.world_size,
         "learning_rate": options.learning_rate,
         "seed": options.seed,
-        "corpus": corpus_name,
+        "corpus": corpus_description,
+        "corpus_name": corpus_name,  # the embedded corpus (None: --train-file), which eval defaults to
+        "python": platform.python_version(),  # the embedded corpora are this Python's files
         "train_tokens": int(streams["train"].numel()),
         "test_tokens": int(min(test.numel(), max_tokens or test.numel())),
         "vocab_size": len(tokenizer),
@@ -543,12 +575,15 @@ def evaluate_lengths(model, stream, lengths, max_tokens=None, stride=None) -> di
 
 def evaluate_folder(folder: str, *, seq_len: Optional[int] = None, factors: Sequence[int] = (1, 2, 4),
                     eval_file: Optional[Sequence[str]] = None, eval_tokens: Optional[int] = None,
-                    max_eval_bytes: Optional[int] = None) -> dict:
+                    max_eval_bytes: Optional[int] = None, corpus: Optional[str] = None) -> dict:
     """Perplexity of a trained folder's model on held-out text at ``seq_len`` × each factor (and with memory for
-    Transformer-XL): ``{"ppl@<n>": value, ...}``. ``seq_len`` defaults to the training length of its record."""
-    from ..data import MAX_TEXT_BYTES, embedded_corpus, encode, read_text_files
+    Transformer-XL): ``{"ppl@<n>": value, ...}``. ``seq_len`` defaults to the training length of its record,
+    the text to the test split of the embedded corpus it was trained on (``corpus``, ``eval_file``: other text)."""
+    from ..data import DEFAULT_EVAL_TOKENS, MAX_TEXT_BYTES, encode, read_text_files
+    from ..data import corpus as embedded
     from ..memory import segment_perplexity
 
+    check_corpus_options(corpus, eval_file, "--eval-file")
     model, tokenizer = load_folder(folder)
     run_file = Path(folder) / RUN_FILE
     seq_len = seq_len or training_length(folder)
@@ -568,7 +603,9 @@ def evaluate_folder(folder: str, *, seq_len: Optional[int] = None, factors: Sequ
         except ValueError as error:
             raise UserError(str(error)) from None
     else:
-        text = embedded_corpus()["test"]
+        corpus = corpus or _recorded_corpus(run_file)
+        text = embedded(corpus)[0]["test"]
+        eval_tokens = eval_tokens or DEFAULT_EVAL_TOKENS.get(corpus)
     stream = encode(tokenizer, text)
     if stream.numel() <= seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the evaluated text ({stream.numel()} tokens)")
@@ -589,6 +626,18 @@ def evaluate_folder(folder: str, *, seq_len: Optional[int] = None, factors: Sequ
     return result
 
 
+def _recorded_corpus(run_file: Path) -> str:
+    """The embedded corpus a folder was trained on, as its record says ("docs" for --train-file runs, records of
+    before --corpus and folders without a record)."""
+    from ..data import CORPORA
+
+    try:
+        name = json.loads(run_file.read_text()).get("corpus_name")
+    except (OSError, ValueError, AttributeError):
+        return "docs"
+    return name if name in CORPORA else "docs"
+
+
 def train_command(args) -> int:
     try:
         train_model(TrainOptions.from_namespace(args))
@@ -599,7 +648,8 @@ def train_command(args) -> int:
 
 def eval_command(args) -> int:
     result = evaluate_folder(args.folder, seq_len=args.seq_len, factors=args.factors, eval_file=args.eval_file,
-                             eval_tokens=args.eval_tokens, max_eval_bytes=getattr(args, "max_eval_bytes", None))
+                             eval_tokens=args.eval_tokens, max_eval_bytes=getattr(args, "max_eval_bytes", None),
+                             corpus=getattr(args, "corpus", None))
     for name, value in result.items():
         print(f"{name:>24}: {value:.2f}")
     return 0
