@@ -262,3 +262,47 @@ def test_runs_in_worker_processes_match_runs_in_this_one(tmp_path):
             assert record["final_train_loss"] == pytest.approx(here["final_train_loss"], rel=1e-6)
     finally:
         torch.set_num_threads(threads)
+
+
+def _killed_on_rope(spec):
+    """A worker's run that the system kills (as the out-of-memory killer does) when it trains rope."""
+    import os
+    import signal
+
+    run, _ = spec
+    if run[1] == "rope":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return run, {"scheme": run[1]}
+
+
+def test_a_killed_worker_stops_the_command_instead_of_hanging(tmp_path, capsys, monkeypatch):
+    """multiprocessing's Pool replaces a killed worker and waits forever for its run: the parent must notice and
+    stop (one line, finished runs kept, the resume command), as for Ctrl-C."""
+    import threading
+
+    monkeypatch.setattr(command, "_run_spec", _killed_on_rope)  # the spawned workers import it from this module
+    todo = [("parity", "alibi", 0), ("parity", "rope", 0)]
+    outcome = []
+
+    def consume():
+        try:
+            outcome.append(list(command._train_runs(todo, {}, 2)))
+        except BaseException as error:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(error)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert outcome and isinstance(outcome[0], command.WorkerDied), outcome
+
+    def died(todo, settings, jobs):
+        raise command.WorkerDied()
+        yield
+
+    monkeypatch.setattr(command, "_train_runs", died)
+    argv = ["lengthgen", "--tasks", "copy", "--schemes", "alibi", "--seeds", "1", "--output-dir", str(tmp_path / "lg"),
+            *TINY]
+    assert hf_relpos_cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert "a worker process died" in err and "0 of 1 runs recorded" in err and "--resume" in err
+    assert err.count("\n") == 1, err

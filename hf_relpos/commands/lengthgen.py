@@ -179,9 +179,11 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
             _write_record(record_path(out, *run), record, hint)
             bar.set_postfix_str(f"{run[0]} {run[1]} seed {run[2]}: out {record['accuracy']['out']:.0%}", refresh=False)
             bar.update()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, WorkerDied) as stop:
         done = sum(r is not None for r in records.values())
-        raise Interrupted(f"interrupted with {done} of {len(runs)} runs recorded (they are kept).",
+        why = ("a worker process died (killed, e.g. out of memory: fewer --jobs use less)"
+               if isinstance(stop, WorkerDied) else "interrupted")
+        raise Interrupted(f"{why} with {done} of {len(runs)} runs recorded (they are kept).",
                           resume_command(options.argv)) from None
     finally:
         bar.close()
@@ -209,19 +211,36 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
     return out
 
 
+class WorkerDied(Exception):
+    """A worker process ended without its run's result (killed, e.g. by the out-of-memory killer)."""
+
+
 def _train_runs(todo: list, settings: dict, jobs: int):
     """Yield ``(run, record)`` as each run finishes: in this process for one job, else in ``jobs`` processes of one
     thread each (many small models train faster side by side than one at a time on several threads). Ctrl-C (or
-    a failed run) stops the other processes at once: a run whose record is not written is trained again later."""
+    a failed run) stops the other processes at once: a run whose record is not written is trained again later.
+    A worker that dies (killed) raises :class:`WorkerDied`: the pool would start another and wait forever for
+    the lost run's result."""
     if jobs == 1:
         for run in todo:
             yield run, run_one(*run, settings)
         return
     import multiprocessing
 
-    pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_worker_start)
+    context = multiprocessing.get_context("spawn")
+    started = context.Value("i", 0)  # workers started: more than ``jobs`` means the pool replaced a dead one
+    pool = context.Pool(jobs, initializer=_worker_start, initargs=(started,))
     try:
-        yield from pool.imap_unordered(_run_spec, [(run, settings) for run in todo])
+        results = pool.imap_unordered(_run_spec, [(run, settings) for run in todo])
+        for _ in todo:
+            while True:
+                try:
+                    item = results.next(timeout=1.0)
+                    break
+                except multiprocessing.TimeoutError:
+                    if started.value > jobs:
+                        raise WorkerDied() from None
+            yield item
         pool.close()
     except BaseException:
         pool.terminate()
@@ -235,13 +254,16 @@ def _run_spec(spec: tuple) -> tuple:
     return run, run_one(*run, settings)
 
 
-def _worker_start() -> None:
+def _worker_start(started=None) -> None:
     import signal
 
     import torch
 
     from .common import library_output_off
 
+    if started is not None:
+        with started.get_lock():
+            started.value += 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
     torch.set_num_threads(1)
     library_output_off().__enter__()  # for the worker's life: no Transformers bars or info lines
