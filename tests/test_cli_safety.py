@@ -539,6 +539,16 @@ def test_compare_resume_with_other_text_or_length_is_a_user_error(tmp_path, caps
         assert flag in err, err
         assert (out / "compare.md").read_text() == table  # nothing rewritten
     assert run(base + ["--seq-len", "16", "--resume"], capsys)[0] == 0  # the same runs resume
+    # a record written before --corpus existed (no corpus_name) was trained on the docs: stdlib is refused as well
+    record_file = out / "models" / "alibi" / "seed-0" / "hf_relpos_run.json"
+    record = json.loads(record_file.read_text())
+    del record["corpus_name"]
+    record_file.write_text(json.dumps(record))
+    table = (out / "compare.md").read_text()
+    code, _, err = run(base + ["--seq-len", "16", "--corpus", "stdlib", "--resume"], capsys)
+    assert "--corpus stdlib" in one_line_error(code, err, "compare"), err
+    assert (out / "compare.md").read_text() == table
+    assert run(base + ["--seq-len", "16", "--resume"], capsys)[0] == 0  # and resumes as the docs
 
 
 @pytest.mark.parametrize("scheme", ["t5_bias", "transformer_xl"])

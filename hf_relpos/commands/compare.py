@@ -185,7 +185,10 @@ def _check_resumed_record(folder: Path, options: CompareOptions) -> None:
     options are the comparison's own, as it trained it)."""
     record = json.loads((folder / RUN_FILE).read_text())
     wanted = options.corpus or (None if options.train_file else "docs")
-    if "corpus_name" in record and record["corpus_name"] != wanted:  # records of before --corpus: docs or files
+    recorded = record.get("corpus_name", "docs")
+    if "corpus_name" not in record and str(record.get("corpus", "")).startswith("user files: "):
+        recorded = None  # a record of before --corpus: the docs, unless it was trained on --train-file
+    if recorded != wanted:
         given = "--train-file" if wanted is None else f"--corpus {wanted}"
         raise UserError(f"--resume: {folder} was trained on {record['corpus']}, this command gives {given}: resume "
                         "with the original text, or use a new --output-dir")
