@@ -1266,6 +1266,13 @@ class RelPosGenerationMixin(GenerationMixin):
     # `generate(inputs_embeds=...)` run, so it keeps the signature of the method it wraps.
     prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
 
+    def _get_static_cache_init_shape(self, *args, **kwargs):
+        """Transformers sizes an eagerly initialised StaticCache (``prefill_chunk_size``) for keys of head_dim: where
+        the scheme carries more channels in its keys (FoX), the cache initialises from the first keys instead."""
+        if POSITION_SCHEMES[self.config.get_text_config(decoder=True).position_encoding].key_channels:
+            return None  # as Transformers does for keys and values of different sizes (MLA)
+        return super()._get_static_cache_init_shape(*args, **kwargs)
+
 
 class RelPosForCausalLM(RelPosPreTrainedModel, RelPosGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}

@@ -148,11 +148,14 @@ def test_cached_equals_uncached(impl, overrides):
     assert cache.layers[0].keys.shape[-1] == model.config.head_dim + 1  # log f rides in the keys
 
 
-@pytest.mark.parametrize("cache_implementation", [None, "static"])
-def test_greedy_generate_equals_uncached_argmax(cache_implementation):
+@pytest.mark.parametrize("cache_implementation,prefill_chunk_size", [(None, None), ("static", None), ("static", 2)])
+def test_greedy_generate_equals_uncached_argmax(cache_implementation, prefill_chunk_size):
+    """A chunked prefill initialises the StaticCache before the first keys (Transformers sizes it head_dim): FoX's
+    keys need head_dim + 1, so the cache must wait for them."""
     model = build("fox", impl="sdpa")
     prompt = torch.randint(1, 61, (2, 5), generator=torch.Generator().manual_seed(1))
-    got = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation)
+    got = model.generate(prompt, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation,
+                         prefill_chunk_size=prefill_chunk_size)
     want = prompt
     for _ in range(6):
         want = torch.cat([want, model(want).logits[:, -1].argmax(-1, keepdim=True)], 1)
