@@ -911,13 +911,19 @@ class RelPosModel(RelPosPreTrainedModel):
         keys = getattr(layer, "keys", None)
         if layer is not None and getattr(layer, "is_initialized", False) and keys is not None and keys.numel():
             # a scheme may carry more channels in its keys (FoX's forget gate)
-            head_dim = config.head_dim + POSITION_SCHEMES[config.position_encoding].key_channels
-            expected = (batch, config.num_attention_heads, head_dim)
+            channels = POSITION_SCHEMES[config.position_encoding].key_channels
+            expected = (batch, config.num_attention_heads, config.head_dim + channels)
             got = (keys.shape[0], keys.shape[1], keys.shape[3])
             if got != expected:
+                why = "for this input and configuration"
+                if channels and got[2] == config.head_dim:
+                    why = (f"for position_encoding={config.position_encoding!r}, whose keys carry {channels} more "
+                           "channel (the forget gate): this cache was sized for keys of head_dim (a model of another "
+                           "scheme, or a StaticCache initialised before its first keys, as ExecuTorch's recipe does); "
+                           "use a DynamicCache or a StaticCache left to initialise itself")
                 raise ValueError(
                     f"cache (past_key_values) holds keys of [batch, heads, head_dim] = {list(got)}, expected {list(expected)} "
-                    "for this input and configuration"
+                    + why
                 )
         # A static cache's length is a tensor in a traced graph: checks that read it on the host run in eager
         # calls only, as the token-id range check does.

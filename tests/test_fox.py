@@ -188,3 +188,16 @@ def test_continuous_batching_is_refused():
     with pytest.raises(ValueError, match=r"position_encoding='fox'") as error:
         model.generate_batch(inputs=[[1, 2, 3]], generation_config=GenerationConfig(max_new_tokens=2, do_sample=False))
     assert "\n" not in str(error.value)
+
+
+def test_a_cache_sized_for_head_dim_keys_is_refused_naming_the_gate():
+    """A cache filled by a model of another scheme holds keys of head_dim: one line saying why FoX needs one more."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(1, 61, (2, 6), generator=torch.Generator().manual_seed(3))
+    other = build("alibi", impl="sdpa")
+    cache = DynamicCache(config=other.config)
+    other(ids, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match=r"position_encoding='fox', whose keys carry 1 more channel") as error:
+        build("fox", impl="sdpa")(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert "\n" not in str(error.value)
