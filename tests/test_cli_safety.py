@@ -533,7 +533,8 @@ def test_compare_resume_with_other_text_or_length_is_a_user_error(tmp_path, caps
             "--vocab-size", "300", "--eval-tokens", "64", "--factors", "1", "2", "--output-dir", str(out), "--quiet"]
     assert run(base + ["--seq-len", "16"], capsys)[0] == 0
     table = (out / "compare.md").read_text()
-    for extra, flag in ((["--seq-len", "16", "--corpus", "stdlib"], "--corpus stdlib"), (["--seq-len", "32"], "--seq-len")):
+    for extra, flag in ((["--seq-len", "16", "--corpus", "stdlib"], "--corpus stdlib"), (["--seq-len", "32"], "--seq-len"),
+                        (["--seq-len", "16", "--steps", "3"], "--steps 2, this command gives 3")):
         code, _, err = run(base + extra + ["--resume"], capsys)
         err = one_line_error(code, err, "compare")
         assert flag in err, err

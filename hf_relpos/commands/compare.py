@@ -181,8 +181,8 @@ def _all_schemes():
 
 
 def _check_resumed_record(folder: Path, options: CompareOptions) -> None:
-    """A finished run reused by ``--resume`` must have been trained on this command's text and length (its other
-    options are the comparison's own, as it trained it)."""
+    """A finished run reused by ``--resume`` must have been trained on this command's text, length, preset, steps,
+    batch size and learning rate (the table states them)."""
     record = json.loads((folder / RUN_FILE).read_text())
     wanted = options.corpus or (None if options.train_file else "docs")
     recorded = record.get("corpus_name", "docs")
@@ -192,9 +192,11 @@ def _check_resumed_record(folder: Path, options: CompareOptions) -> None:
         given = "--train-file" if wanted is None else f"--corpus {wanted}"
         raise UserError(f"--resume: {folder} was trained on {record['corpus']}, this command gives {given}: resume "
                         "with the original text, or use a new --output-dir")
-    if record.get("seq_len", options.seq_len) != options.seq_len:
-        raise UserError(f"--resume: {folder} was trained at --seq-len {record['seq_len']}, this command gives "
-                        f"{options.seq_len}: resume with the original --seq-len, or use a new --output-dir")
+    for name in ("seq_len", "preset", "steps", "batch_size", "learning_rate"):  # else its row would be mislabelled
+        if record.get(name, getattr(options, name)) != getattr(options, name):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"--resume: {folder} was trained with {flag} {record[name]}, this command gives "
+                            f"{getattr(options, name)}: resume with the original {flag}, or use a new --output-dir")
 
 
 def _evaluated(record: dict, seq_len: int, sliding: bool, factors) -> Optional[dict]:
