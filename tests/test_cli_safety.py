@@ -552,6 +552,28 @@ def test_compare_resume_with_other_text_or_length_is_a_user_error(tmp_path, caps
     assert run(base + ["--seq-len", "16", "--resume"], capsys)[0] == 0  # and resumes as the docs
 
 
+def test_ctrl_c_while_compare_evaluates_a_finished_run_anew(tmp_path, capsys, monkeypatch):
+    """compare --sliding --resume evaluates the saved models: Ctrl-C there is one line with the resume command
+    (as while training, not a bare "interrupted"), and the record is left as it was."""
+    import hf_relpos.commands.train as train_module
+
+    out = tmp_path / "cmp"
+    base = ["compare", "--quick", "--schemes", "alibi", "--seeds", "1", "--steps", "2", "--batch-size", "2",
+            "--vocab-size", "300", "--eval-tokens", "64", "--factors", "1", "2", "--seq-len", "16",
+            "--output-dir", str(out), "--quiet"]
+    assert run(base, capsys)[0] == 0
+    record = (out / "models" / "alibi" / "seed-0" / "hf_relpos_run.json").read_text()
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "evaluate_lengths", ctrl_c)
+    code, _, err = run(base + ["--sliding", "--resume"], capsys)
+    assert code == 130 and err.count("\n") == 1 and "Resume with: hf-relpos compare" in err, (code, err)
+    assert (out / "models" / "alibi" / "seed-0" / "hf_relpos_run.json").read_text() == record
+    assert not (out / "compare-sliding.md").exists()
+
+
 @pytest.mark.parametrize("scheme", ["t5_bias", "transformer_xl"])
 def test_ctrl_c_saves_and_resume_reaches_the_same_loss(scheme, tmp_path, monkeypatch, capsys):
     settings = ["--position-encoding", scheme, "--steps", "6", "--seq-len", "16", "--batch-size", "2",

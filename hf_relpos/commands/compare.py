@@ -121,7 +121,11 @@ def _compare(options: CompareOptions, out: Path, started: float) -> Path:
         if done:
             _check_resumed_record(folder, options)
             if _evaluated(json.loads((folder / RUN_FILE).read_text()), options.seq_len, options.sliding, factors) is None:
-                reevaluate(folder, test_stream, options.seq_len, options.sliding, factors, options.eval_tokens)
+                try:
+                    reevaluate(folder, test_stream, options.seq_len, options.sliding, factors, options.eval_tokens)
+                except KeyboardInterrupt:  # its record is replaced whole or not at all: resuming evaluates it again
+                    raise Interrupted(f"comparison interrupted while evaluating {scheme} (seed {seed}) anew.",
+                                      resume_command(options.argv)) from None
                 reevaluated += 1
         else:
             checkpoints = checkpoints_dir(folder)
