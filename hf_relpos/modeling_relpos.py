@@ -404,6 +404,8 @@ _PARAMETER_FIELDS = (
     (r"position\.mlp\.0\.bias", (("fire_mlp_width",),)),
     (r"position\.mlp\.2\.weight", (("num_attention_heads",), ("fire_mlp_width",))),
     (r"position\.(c|threshold_scale)", ()),
+    (r"fgate_proj\.weight", (("num_attention_heads",), ("hidden_size",))),  # FoX's forget gate
+    (r"fgate_proj\.bias", (("num_attention_heads",),)),
     (r"score\.weight", (("num_labels",), ("hidden_size",))),
 )
 # What a checkpoint may lack (parameters Transformers creates and initialises, non-persistent buffers): as many
