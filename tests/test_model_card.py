@@ -196,3 +196,14 @@ def test_a_readme_link_or_fifo_is_the_users(tmp_path):
             pass
         pytest.fail("save_pretrained hung reading a named pipe README.md")
     assert (folder / "model.safetensors").is_file()
+
+
+def test_every_scheme_has_a_card_template():
+    """`hf-relpos train` writes each scheme's card from model_cards/<scheme>.md: a scheme without one trained to the
+    end and then failed (fox, caught by compare --corpus stdlib). Each template names its own scheme."""
+    from hf_relpos.commands.model_card import read_template
+    from hf_relpos.configuration_relpos import POSITION_ENCODINGS
+
+    for scheme in POSITION_ENCODINGS:
+        text = read_template(scheme)
+        assert f'position_encoding="{scheme}"' in text and "{{training}}" in text, scheme
