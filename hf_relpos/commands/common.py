@@ -237,6 +237,28 @@ def check_writable(*folders: Union[str, Path], flag: str = "--output-dir") -> No
                             "write to") from None
 
 
+
+def check_results_folder(out: Path, files: "re.Pattern", what: str, records: str, resume, overwrite: bool,
+                         already: str) -> None:
+    """The folder rules of a command that writes a results folder (compare, lengthgen): a file or a folder of other
+    files is refused (nothing is written there, with or without --overwrite), a folder with results needs --resume or
+    --overwrite (``already`` says which does what), --resume needs the ``records`` subfolder; then writability."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
+    contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [name for name in contents if not files.fullmatch(name)]
+    if foreign:
+        raise UserError(
+            f"--output-dir {str(out)!r} holds files that are not an hf-relpos {what} ({', '.join(foreign[:3])}); "
+            "give a new or empty folder (nothing is replaced there, --overwrite or not)"
+        )
+    if contents and not (overwrite or resume):
+        raise UserError(f"--output-dir {str(out)!r} already holds files: {already}")
+    if resume and not (out / records).is_dir():
+        raise UserError(f"--resume: no {what} to resume in {str(out)!r}; run without --resume first")
+    check_writable(out)
+
+
 @contextlib.contextmanager
 def output_lock(out: Path, command: str, argv=(), flag: str = "--output-dir"):
     """Hold ``out``'s lock (a file beside it, ``.<name>.lock``) while a command writes there.

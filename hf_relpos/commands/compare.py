@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .common import (
-    RUN_FILE, check_writable, checkpoints_dir, evaluation_name, last_checkpoint, output_folder, output_lock, writing,
+    RUN_FILE, check_results_folder, checkpoints_dir, evaluation_name, last_checkpoint, output_folder, output_lock, writing,
 )
 from .errors import Interrupted, UserError
 from .model_card import format_ppl
@@ -83,23 +83,11 @@ def compare(options: CompareOptions) -> Path:
     if options.mem_len is not None and "transformer_xl" not in (options.schemes or ["transformer_xl"]):
         raise UserError("--mem-len applies to transformer_xl, which --schemes leaves out")
     out = output_folder(options.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
-    contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    foreign = [name for name in contents if not COMPARE_FILE.fullmatch(name)]
-    if foreign:  # as train: a folder of other files is never written into
-        raise UserError(
-            f"--output-dir {str(out)!r} holds files that are not an hf-relpos comparison ({', '.join(foreign[:3])}); "
-            "give a new or empty folder (nothing is replaced there, --overwrite or not)"
-        )
-    if contents and not (options.overwrite or options.resume):
-        raise UserError(
-            f"--output-dir {str(out)!r} already holds files: pass --overwrite to replace its table and plot "
-            "(trained models are kept unless retrained) or --resume to continue an interrupted comparison"
-        )
-    if options.resume and not (out / "models").is_dir():
-        raise UserError(f"--resume: no comparison to resume in {str(out)!r}; run without --resume first")
-    check_writable(out)
+    check_results_folder(
+        out, COMPARE_FILE, "comparison", "models", options.resume, options.overwrite,
+        "pass --overwrite to replace its table and plot "
+        "(trained models are kept unless retrained) or --resume to continue an interrupted comparison",
+    )
     with output_lock(out, "compare", options.argv):
         return _compare(options, out, started)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .. import lengthgen as lg
-from .common import check_writable, output_folder, output_lock, writing
+from .common import check_results_folder, output_folder, output_lock, writing
 from .errors import Interrupted, UserError
 from .train import PRESETS, resume_command
 
@@ -102,23 +102,11 @@ def lengthgen(options: LengthgenOptions) -> Path:
     if options.jobs is not None and options.jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {options.jobs}")
     out = output_folder(options.output_dir or f"runs/lengthgen-{time.strftime('%Y%m%d-%H%M%S')}")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output-dir {str(out)!r} is a file: give a folder path")
-    contents = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    foreign = [name for name in contents if not LENGTHGEN_FILE.fullmatch(name)]
-    if foreign:  # as train and compare: a folder of other files is never written into
-        raise UserError(
-            f"--output-dir {str(out)!r} holds files that are not an hf-relpos lengthgen run ({', '.join(foreign[:3])}); "
-            "give a new or empty folder (nothing is replaced there, --overwrite or not)"
-        )
-    if contents and not (options.overwrite or options.resume):
-        raise UserError(
-            f"--output-dir {str(out)!r} already holds files: pass --resume to train only the runs not yet recorded, "
-            "or --overwrite to train every run again and replace its table"
-        )
-    if options.resume and not (out / "records").is_dir():
-        raise UserError(f"--resume: no lengthgen run to resume in {str(out)!r}; run without --resume first")
-    check_writable(out)
+    check_results_folder(
+        out, LENGTHGEN_FILE, "lengthgen run", "records", options.resume, options.overwrite,
+        "pass --resume to train only the runs not yet recorded, "
+        "or --overwrite to train every run again and replace its table",
+    )
     with output_lock(out, "lengthgen", options.argv):
         return _lengthgen(options, out, tasks, schemes, started)
 
