@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat docs
+.PHONY: run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat compat-venvs compat-one docs
 
 setup: $(STAMP)
 
@@ -48,8 +48,14 @@ bench-band: $(STAMP)
 demo-biases: $(STAMP)
 	$(PY) scripts/demo_biases.py
 
+# The suite on every core (pytest-xdist): one worker process per logical CPU (PYTEST_WORKERS=1 runs it in one process);
+# --dist loadgroup hands out single tests, except that a module marked xdist_group (one that builds shared
+# fixtures: trained folders, exported programs, servers) runs whole in one worker. Each worker uses one thread.
+PYTEST_WORKERS ?= logical
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_PARALLEL)
 
 # The documentation site (mkdocs.yml, docs/): MkDocs with the Material theme and an API reference from the
 # docstrings (mkdocstrings), built offline into build/site; --strict fails on any warning (a broken link, an
@@ -80,7 +86,7 @@ TORCH_PIN := $(shell sed -n 's/^torch==//p' constraints-dev.txt)
 RUN_ARGS := --steps 300 --overwrite
 PROMPT := "The for statement"
 
-compat: $(STAMP)
+compat: $(STAMP) compat-venvs
 	rm -rf build/compat && mkdir -p build/compat
 	$(PY) -m pip wheel --quiet --no-deps -w build/compat/wheel .
 	$(PY) scripts/cross_version.py save build/compat/dev
@@ -89,16 +95,36 @@ compat: $(STAMP)
 		> build/compat/generate-dev.txt
 	for version in $(COMPAT_TRANSFORMERS); do $(MAKE) --no-print-directory compat-one TF=$$version || exit 1; done
 
-compat-one:
+# One virtual environment per tested Transformers: the development torch, that Transformers and the dependencies
+# of the wheel's `test` extra, rebuilt when pyproject.toml or the pins change. `make -j2 compat-venvs` builds
+# them side by side (pip runs on one core; .ci/run does so before `make test`); compat-one installs the wheel it
+# tests over them.
+COMPAT_VENVS := $(foreach version,$(COMPAT_TRANSFORMERS),$(VENV)-tf$(version)/.installed)
+compat-venvs: $(COMPAT_VENVS)
+
+build/compat-deps/wheel: $(STAMP) pyproject.toml
+	rm -rf build/compat-deps && mkdir -p build/compat-deps
+	$(PY) -m pip wheel --quiet --no-deps -w build/compat-deps/wheel .
+
+$(VENV)-tf%/.installed: build/compat-deps/wheel constraints-dev.txt
+	rm -rf $(VENV)-tf$*
+	$(PYTHON) -m venv $(VENV)-tf$*
+	$(VENV)-tf$*/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)-tf$*/bin/python -m pip install --quiet "torch==$(TORCH_PIN)"
+	$(VENV)-tf$*/bin/python -m pip install --quiet "torch==$(TORCH_PIN)" "transformers==$*" \
+		"$$(ls build/compat-deps/wheel/hf_relpos-*.whl)[test]"
+	touch $@
+
+# The suite against the oldest tested Transformers: the tests marked transformers_dependent (tests/conftest.py);
+# against the newest: all of them.
+COMPAT_OLDEST := $(firstword $(COMPAT_TRANSFORMERS))
+
+compat-one: $(VENV)-tf$(TF)/.installed
 	@echo "== compatibility: transformers $(TF), torch $(TORCH_PIN)"
-	rm -rf $(VENV)-tf$(TF)
-	$(PYTHON) -m venv $(VENV)-tf$(TF)
-	$(VENV)-tf$(TF)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)-tf$(TF)/bin/python -m pip install --quiet "torch==$(TORCH_PIN)"
-	$(VENV)-tf$(TF)/bin/python -m pip install --quiet "torch==$(TORCH_PIN)" "transformers==$(TF)" \
-		"$$(ls build/compat/wheel/hf_relpos-*.whl)[test]"
+	$(VENV)-tf$(TF)/bin/python -m pip install --quiet --no-deps --force-reinstall "$$(ls build/compat/wheel/hf_relpos-*.whl)"
 	$(VENV)-tf$(TF)/bin/hf-relpos --version
-	HF_RELPOS_TEST_INSTALLED=1 OMP_NUM_THREADS=1 $(VENV)-tf$(TF)/bin/python -m pytest -q -p no:cacheprovider
+	HF_RELPOS_TEST_INSTALLED=1 OMP_NUM_THREADS=1 $(VENV)-tf$(TF)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) \
+		$(if $(filter $(TF),$(COMPAT_OLDEST)),-m transformers_dependent)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos train --output-dir runs/compat-$(TF) $(RUN_ARGS)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos generate runs/compat-$(TF) --prompt $(PROMPT) \
 		> build/compat/generate-$(TF).txt

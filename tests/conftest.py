@@ -1,8 +1,17 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# Remote code is copied into HF_MODULES_CACHE under the folder's base name; two test processes (pytest-xdist
+# workers, or two runs) loading folders of the same name would write the same files at once. Each test process
+# gets its own cache (its subprocesses inherit it), set before Transformers reads it at import, and removes it.
+_MODULES = tempfile.mkdtemp(prefix=f"hf-relpos-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-modules-")
+os.environ["HF_MODULES_CACHE"] = _MODULES
+atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
 
 import torch  # noqa: E402
 
@@ -47,3 +56,41 @@ def make_model():
 def scheme(request):
     """Every position encoding, one test per scheme (a test's own ``parametrize("scheme", ...)`` overrides it)."""
     return request.param
+
+
+# ---------------------------------------------------------------------------
+# The marker `transformers_dependent`: what `make compat` runs against the oldest supported Transformers
+# ---------------------------------------------------------------------------
+
+# Modules whose outcome depends on the installed Transformers: generation and caches, the encoder-decoder,
+# Trainer and its checkpoints, the exporters, serving, remote code and the Auto classes, the config, and the
+# models' forward through Transformers' attention interface and masks. `make compat` runs every test against
+# the newest tested Transformers and these (`-m transformers_dependent`) against the oldest.
+TRANSFORMERS_DEPENDENT = {
+    "test_auto_classes", "test_checkpoints", "test_cli", "test_compat", "test_configuration_relpos",
+    "test_continuous_batching", "test_distributed", "test_empty_shapes", "test_export", "test_export_tools",
+    "test_faults", "test_fox", "test_fsdp", "test_generation", "test_integration", "test_loading_safety",
+    "test_memory", "test_model_card", "test_modeling", "test_modeling_fuzz", "test_nothing_lost",
+    "test_position_schemes", "test_reliability", "test_seq2seq", "test_serve", "test_transformers_behaviour",
+}
+# The rest: the math and its CPU kernels against float64 oracles (torch only), the command line's parsing and
+# folder safety, the experiment commands, packaging and the documentation pages; the development pin and the
+# newest Transformers run them.
+TRANSFORMERS_INDEPENDENT = {
+    "test_attention_with_bias", "test_bias_band", "test_cli_safety", "test_corpus", "test_demo_biases", "test_docs",
+    "test_functional", "test_functional_fuzz", "test_import_graph", "test_inspect", "test_kernels", "test_key_bias",
+    "test_lengthgen", "test_packaging", "test_shaw_banded", "test_training_limits", "test_txl_chunked",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.path.stem
+        if module in TRANSFORMERS_DEPENDENT:
+            item.add_marker(pytest.mark.transformers_dependent)
+        elif module not in TRANSFORMERS_INDEPENDENT:
+            raise pytest.UsageError(
+                f"tests/{module}.py is in neither TRANSFORMERS_DEPENDENT nor TRANSFORMERS_INDEPENDENT (tests/conftest.py): "
+                "say whether the oldest Transformers must run it"
+            )

@@ -22,6 +22,9 @@ from hf_relpos.modeling_relpos import AUTO_MAP
 from test_loading_safety import SCRIPT  # its subprocess: hf_relpos blocked when remote, RLIMIT_AS capped
 from tiny import make_model, tiny_config
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_auto_classes")
+
 # (the Auto class, the kind of folder it cannot hold, the class it reaches, the Auto class the error names)
 MISMATCHES = [
     ("AutoModelForCausalLM", "seq2seq", "RelPosForCausalLM", "AutoModelForSeq2SeqLM"),

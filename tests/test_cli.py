@@ -35,6 +35,9 @@ from hf_relpos.commands.train import PRESETS
 from hf_relpos.data import embedded_corpus, encode
 from hf_relpos.memory import segment_perplexity
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_cli")
+
 torch.set_num_threads(1)
 
 PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent

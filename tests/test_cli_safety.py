@@ -27,6 +27,9 @@ from hf_relpos.commands.plotting import plot
 from hf_relpos.commands.train import PRESETS
 from hf_relpos.data import SPECIAL_TOKENS
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_cli_safety")
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--steps", "2", "--seq-len", "16", "--batch-size", "2", "--vocab-size", "300", "--eval-tokens", "64"]
 

@@ -268,9 +268,23 @@ def test_declared_tested_and_pinned_versions_agree():
     assert versions.transformers_tested(pins["transformers"]) and versions.torch_tested(pins["torch"])
 
 
-@pytest.mark.parametrize("installed, warned", [("5.20.0", True), ("5.25.0", True), ("6.0.0", True), ("5.24.1", False),
-                                               (versions.TESTED_TRANSFORMERS[0], False), ("5.23.0", False),
-                                               (versions.TESTED_TRANSFORMERS[1], False)])
+VERSION_CASES = [("5.20.0", True), ("5.25.0", True), ("6.0.0", True), ("5.24.1", False),
+                 (versions.TESTED_TRANSFORMERS[0], False), ("5.23.0", False), (versions.TESTED_TRANSFORMERS[1], False)]
+
+
+@pytest.mark.parametrize("installed, warned", VERSION_CASES)
+def test_the_import_warning_is_one_line_outside_the_tested_transformers(installed, warned):
+    """What ``import hf_relpos`` logs for each installed version (the import itself: the next test, in a child)."""
+    warning = versions.untested_transformers_warning(installed)
+    if warned:
+        low, high = versions.TESTED_TRANSFORMERS
+        assert "\n" not in warning and f"transformers {installed} is installed" in warning and f"{low} to {high}" in warning
+    else:
+        assert warning is None
+
+
+# A fresh interpreter per case (about 7 s each on the 2-core CI): one version outside the range and one inside.
+@pytest.mark.parametrize("installed, warned", [VERSION_CASES[0], VERSION_CASES[4]])
 def test_import_warns_in_one_line_outside_the_tested_transformers(installed, warned, tmp_path):
     code = f"import transformers; transformers.__version__ = {installed!r}; import hf_relpos"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -23,6 +23,9 @@ from hf_relpos.commands.common import RUN_FILE
 from hf_relpos.commands.errors import UserError
 from hf_relpos.commands.train import TrainOptions, train_model
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_corpus")
+
 TINY = ["--steps", "2", "--seq-len", "16", "--batch-size", "2", "--vocab-size", "300", "--eval-tokens", "64"]
 
 

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_demo_biases")
+
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = ROOT.parent / "shared" / "worked-example.md"
 # The published tables are rounded to 4 decimals; the tiny slack absorbs float noise at a rounding tie.

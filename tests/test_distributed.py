@@ -52,10 +52,14 @@ MEMS_RTOL = 1e-4  # measured max relative L2 of a rank's memory vs its rows of t
 RESUME_ATOL = 1e-6  # measured max |resumed - straight| (parameters and memory), every rank: 0.0
 LAUNCH_TIMEOUT = 300
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is not available",
-)
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="torch.distributed with gloo is not available",
+    ),
+    pytest.mark.xdist_group("test_distributed"),
+]
 
 
 def free_port() -> int:

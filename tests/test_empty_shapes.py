@@ -113,6 +113,9 @@ for case in json.loads(sys.argv[1]):
 print(json.dumps(results))
 """
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_empty_shapes")
+
 EMPTY_ATTENTION_CASES = [
     ["attention", Q, K, bias_shape, grads]
     for Q, K in ((0, 3), (3, 0), (0, 0))

@@ -23,6 +23,9 @@ from hf_relpos.attention_utils import _exporting
 from hf_relpos.configuration_relpos import CAUSAL_ONLY
 from tiny import VOCAB, make_model
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_export")
+
 ENCODINGS = tuple(POSITION_ENCODINGS)
 SEQ2SEQ = tuple(s for s in ENCODINGS if s not in CAUSAL_ONLY)
 ONE_LAYER = dict(num_hidden_layers=1)

@@ -23,6 +23,9 @@ import hf_relpos_cli
 from hf_relpos import RelPosForCausalLM
 from tiny import ENCODINGS, VOCAB, build, greedy, make_model, padding_mask, rand_ids
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_export_tools")
+
 NEW_TOKENS = 6
 
 

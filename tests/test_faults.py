@@ -30,7 +30,11 @@ import hf_relpos.commands.train  # noqa: F401  (imported before forking)
 from hf_relpos.commands.common import RUN_FILE, checkpoint_problem, last_checkpoint
 
 FORK = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
-pytestmark = pytest.mark.skipif(FORK is None, reason="fault injection forks (Linux)")
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = [
+    pytest.mark.skipif(FORK is None, reason="fault injection forks (Linux)"),
+    pytest.mark.xdist_group("test_faults"),
+]
 KILLED = 9
 SETTINGS = ["--position-encoding", "transformer_xl", "--steps", "2", "--seq-len", "16", "--batch-size", "2",
             "--vocab-size", "300", "--eval-tokens", "64", "--quiet"]  # fmt: skip

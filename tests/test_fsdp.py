@@ -46,10 +46,14 @@ CONTROL = "t5_bias:swapped"
 ATOL = 2e-6  # loss, each gradient, each updated parameter, Transformer-XL memory; measured at most 4.8e-7
 LAUNCH_TIMEOUT = 180
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is not available",
-)
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="torch.distributed with gloo is not available",
+    ),
+    pytest.mark.xdist_group("test_fsdp"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,9 @@ from hf_relpos.commands.errors import UserError
 from hf_relpos.functional import alibi_slopes, fire_bias, t5_relative_position_bucket
 from tiny import tiny_config
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_inspect")
+
 torch.set_num_threads(1)
 
 SEQ_LEN = 16

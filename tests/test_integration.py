@@ -258,6 +258,9 @@ from transformers import (  # noqa: E402
     pipeline,
 )
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_integration")
+
 
 def remote(obj):
     module = type(obj).__module__

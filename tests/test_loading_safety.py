@@ -124,6 +124,9 @@ results["hf_relpos_imported"] = "hf_relpos" in sys.modules
 json.dump(results, open(sys.argv[2], "w"))
 '''
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_loading_safety")
+
 
 def _save(kind: str, scheme: str, folder: Path) -> None:
     if kind == "seq2seq":

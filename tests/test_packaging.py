@@ -37,6 +37,9 @@ from pathlib import Path
 
 import pytest
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_packaging")
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "hf_relpos"
 # Never copied into the build folder (the fallback when git cannot list the source files).

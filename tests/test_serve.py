@@ -35,6 +35,9 @@ from hf_relpos import RelPosConfig, RelPosForCausalLM, RelPosForConditionalGener
 from hf_relpos.commands.common import load_folder  # noqa: E402
 from hf_relpos.data import embedded_corpus, train_tokenizer  # noqa: E402
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_serve")
+
 torch.set_num_threads(1)
 
 TABLE = 64  # the decoder-only folder's learned position table
