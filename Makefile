@@ -53,9 +53,11 @@ demo-biases: $(STAMP)
 # fixtures: trained folders, exported programs, servers) runs whole in one worker. Each worker uses one thread.
 PYTEST_WORKERS ?= logical
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+# The ten slowest tests of each run, in the log (docs/guides/tests.md keeps them before and after issue 34).
+PYTEST_REPORT := --durations=10
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_PARALLEL)
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_REPORT)
 
 # The documentation site (mkdocs.yml, docs/): MkDocs with the Material theme and an API reference from the
 # docstrings (mkdocstrings), built offline into build/site; --strict fails on any warning (a broken link, an
@@ -76,7 +78,7 @@ clean:
 # The compatibility job (CI runs it after `make test`): on the oldest and the newest Transformers hf_relpos is
 # tested with (hf_relpos/versions.py; tests/test_compat.py keeps this list, that file and pyproject.toml equal),
 # each in a virtual environment of its own with the built wheel and the development torch:
-#   - the whole test suite;
+#   - the whole test suite on the newest; on the oldest the tests marked transformers_dependent (tests/conftest.py);
 #   - the main job (`make run`'s commands) gives the text it gives under the development pin, and its folder
 #     decodes to that text under the development pin too;
 #   - folders saved under the development pin decode identically through remote code under this version, and
@@ -123,7 +125,7 @@ compat-one: $(VENV)-tf$(TF)/.installed
 	@echo "== compatibility: transformers $(TF), torch $(TORCH_PIN)"
 	$(VENV)-tf$(TF)/bin/python -m pip install --quiet --no-deps --force-reinstall "$$(ls build/compat/wheel/hf_relpos-*.whl)"
 	$(VENV)-tf$(TF)/bin/hf-relpos --version
-	HF_RELPOS_TEST_INSTALLED=1 OMP_NUM_THREADS=1 $(VENV)-tf$(TF)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) \
+	HF_RELPOS_TEST_INSTALLED=1 OMP_NUM_THREADS=1 $(VENV)-tf$(TF)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) $(PYTEST_REPORT) \
 		$(if $(filter $(TF),$(COMPAT_OLDEST)),-m transformers_dependent)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos train --output-dir runs/compat-$(TF) $(RUN_ARGS)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos generate runs/compat-$(TF) --prompt $(PROMPT) \
