@@ -48,10 +48,11 @@ bench-band: $(STAMP)
 demo-biases: $(STAMP)
 	$(PY) scripts/demo_biases.py
 
-# The suite on every core (pytest-xdist): one worker process per logical CPU (PYTEST_WORKERS=1 runs it in one process);
-# --dist loadgroup hands out single tests, except that a module marked xdist_group (one that builds shared
-# fixtures: trained folders, exported programs, servers) runs whole in one worker. Each worker uses one thread.
-PYTEST_WORKERS ?= logical
+# The suite on every core (pytest-xdist): one worker process per CPU this process may use (nproc: affinity and
+# cpusets counted; PYTEST_WORKERS=0 runs it in this one process, for -s or --pdb); --dist loadgroup hands out
+# single tests, except that a module marked xdist_group (one that builds shared fixtures: trained folders,
+# exported programs, servers) runs whole in one worker. Each worker uses one thread.
+PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 # The ten slowest tests of each run, in the log (docs/guides/tests.md keeps them before and after issue 34).
 PYTEST_REPORT := --durations=10
@@ -89,7 +90,7 @@ RUN_ARGS := --steps 300 --overwrite
 PROMPT := "The for statement"
 
 compat: $(STAMP) compat-venvs
-	rm -rf build/compat && mkdir -p build/compat
+	rm -rf build/compat build/lib build/bdist.* && mkdir -p build/compat
 	$(PY) -m pip wheel --quiet --no-deps -w build/compat/wheel .
 	$(PY) scripts/cross_version.py save build/compat/dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos train --output-dir runs/compat-dev $(RUN_ARGS) --quiet
@@ -104,11 +105,14 @@ compat: $(STAMP) compat-venvs
 COMPAT_VENVS := $(foreach version,$(COMPAT_TRANSFORMERS),$(VENV)-tf$(version)/.installed)
 compat-venvs: $(COMPAT_VENVS)
 
-build/compat-deps/wheel: $(STAMP) pyproject.toml
-	rm -rf build/compat-deps && mkdir -p build/compat-deps
+# (setuptools builds in build/lib and copies all of it into the wheel: emptied first, so that a module deleted
+# from the source is not shipped from an earlier build)
+build/compat-deps/.built: $(STAMP) pyproject.toml
+	rm -rf build/compat-deps build/lib build/bdist.* && mkdir -p build/compat-deps
 	$(PY) -m pip wheel --quiet --no-deps -w build/compat-deps/wheel .
+	touch $@
 
-$(VENV)-tf%/.installed: build/compat-deps/wheel constraints-dev.txt
+$(VENV)-tf%/.installed: build/compat-deps/.built constraints-dev.txt
 	rm -rf $(VENV)-tf$*
 	$(PYTHON) -m venv $(VENV)-tf$*
 	$(VENV)-tf$*/bin/python -m pip install --quiet --upgrade pip

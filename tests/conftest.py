@@ -3,6 +3,7 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -65,35 +66,45 @@ def scheme(request):
 # The marker `transformers_dependent`: what `make compat` runs against the oldest supported Transformers
 # ---------------------------------------------------------------------------
 
-# Modules whose outcome depends on the installed Transformers: generation and caches, the encoder-decoder,
-# Trainer and its checkpoints, the exporters, serving, remote code and the Auto classes, the config, and the
-# models' forward through Transformers' attention interface and masks. `make compat` runs every test against
-# the newest tested Transformers and these (`-m transformers_dependent`) against the oldest.
+# Modules that test behaviour reached through a Transformers API that changes between releases: generation and
+# caches, continuous batching, the encoder-decoder, Trainer (callbacks, checkpoints, DDP, FSDP) and the commands
+# that train and generate through it, the exporters, serving, remote code, loading and the Auto classes, the
+# config, and the models' forward through Transformers' attention interface and masks. `make compat` runs every
+# test against the newest tested Transformers and these (`-m transformers_dependent`) against the oldest.
 TRANSFORMERS_DEPENDENT = {
-    "test_auto_classes", "test_checkpoints", "test_cli", "test_compat", "test_configuration_relpos",
-    "test_continuous_batching", "test_distributed", "test_empty_shapes", "test_export", "test_export_tools",
-    "test_faults", "test_fox", "test_fsdp", "test_generation", "test_integration", "test_loading_safety",
-    "test_memory", "test_model_card", "test_modeling", "test_modeling_fuzz", "test_nothing_lost",
-    "test_position_schemes", "test_reliability", "test_seq2seq", "test_serve", "test_transformers_behaviour",
+    "test_auto_classes", "test_checkpoints", "test_cli", "test_cli_safety", "test_compat", "test_configuration_relpos",
+    "test_continuous_batching", "test_corpus", "test_distributed", "test_empty_shapes", "test_export",
+    "test_export_tools", "test_faults", "test_fox", "test_fsdp", "test_generation", "test_inspect", "test_integration",
+    "test_lengthgen", "test_loading_safety", "test_memory", "test_model_card", "test_modeling", "test_modeling_fuzz",
+    "test_nothing_lost", "test_position_schemes", "test_reliability", "test_seq2seq", "test_serve",
+    "test_training_limits", "test_transformers_behaviour",
 }
-# The rest: the math and its CPU kernels against float64 oracles (torch only), the command line's parsing and
-# folder safety, the experiment commands, packaging and the documentation pages; the development pin and the
-# newest Transformers run them.
+# The rest, run on the development pin and the newest: the math and its CPU kernels against float64 oracles
+# (Transformers only as a fixed reference: T5's bucket function, BLOOM's ALiBi), the worked example, the import
+# graph, packaging, and the documentation pages (whose commands the modules above run on the oldest too).
 TRANSFORMERS_INDEPENDENT = {
-    "test_attention_with_bias", "test_bias_band", "test_cli_safety", "test_corpus", "test_demo_biases", "test_docs",
-    "test_functional", "test_functional_fuzz", "test_import_graph", "test_inspect", "test_kernels", "test_key_bias",
-    "test_lengthgen", "test_packaging", "test_shaw_banded", "test_training_limits", "test_txl_chunked",
+    "test_attention_with_bias", "test_bias_band", "test_demo_biases", "test_docs", "test_functional",
+    "test_functional_fuzz", "test_import_graph", "test_kernels", "test_key_bias", "test_packaging",
+    "test_shaw_banded", "test_txl_chunked",
 }
+
+
+def pytest_configure(config):
+    """A test module in neither set stops the run with one line (here, in the controlling process: a pytest-xdist
+    worker's error would be an INTERNALERROR traceback)."""
+    if hasattr(config, "workerinput"):
+        return
+    modules = {path.stem for path in Path(_TESTS).glob("test_*.py")}
+    unsorted = sorted(modules - TRANSFORMERS_DEPENDENT - TRANSFORMERS_INDEPENDENT)
+    if unsorted:
+        raise pytest.UsageError(
+            f"tests/conftest.py: {', '.join(unsorted)} in neither TRANSFORMERS_DEPENDENT nor TRANSFORMERS_INDEPENDENT: "
+            "say whether the oldest Transformers must run it"
+        )
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.path.stem
-        if module in TRANSFORMERS_DEPENDENT:
+        if item.path.stem in TRANSFORMERS_DEPENDENT:
             item.add_marker(pytest.mark.transformers_dependent)
-        elif module not in TRANSFORMERS_INDEPENDENT:
-            raise pytest.UsageError(
-                f"tests/{module}.py is in neither TRANSFORMERS_DEPENDENT nor TRANSFORMERS_INDEPENDENT (tests/conftest.py): "
-                "say whether the oldest Transformers must run it"
-            )

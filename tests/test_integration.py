@@ -30,6 +30,7 @@ from hf_relpos import (
     RelPosForSequenceClassification,
     RelPosModel,
 )
+from hf_relpos.configuration_relpos import CAUSAL_ONLY
 from tiny import checkpointing_argument, enable_checkpointing, is_checkpointing
 from tiny import make_model as shared_make_model
 from tiny import tiny_config as shared_tiny_config
@@ -258,9 +259,6 @@ from transformers import (  # noqa: E402
     pipeline,
 )
 
-# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
-pytestmark = pytest.mark.xdist_group("test_integration")
-
 
 def remote(obj):
     module = type(obj).__module__
@@ -361,6 +359,9 @@ with open(sys.argv[2], "w") as f:
     json.dump(results, f)
 '''
 
+# One pytest-xdist worker runs this whole module (make test: --dist loadgroup): its shared fixtures are built once.
+pytestmark = pytest.mark.xdist_group("test_integration")
+
 PIPELINE_PROMPT = "Hi"
 
 
@@ -408,7 +409,9 @@ def remote_results(tmp_path_factory):
         spec["causal"][pe] = str(folder)
 
         folder = root / f"cls_{pe}"
-        model = make_model(RelPosForSequenceClassification, pe, seed=20 + i, num_labels=2, is_decoder=(i % 2 == 0))
+        # every other scheme bidirectional, but a causal-only one causal (tiny_config would skip the whole fixture)
+        is_decoder = i % 2 == 0 or pe in CAUSAL_ONLY
+        model = make_model(RelPosForSequenceClassification, pe, seed=20 + i, num_labels=2, is_decoder=is_decoder)
         with torch.no_grad():
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         model.save_pretrained(folder)

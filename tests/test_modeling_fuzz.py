@@ -26,6 +26,10 @@ from strategies import COUNTS, MEMS_KINDS, chance, draw_padding, fuzz_settings, 
 
 from hf_relpos import RelPosConfig, RelPosForCausalLM, RelPosForSequenceClassification, RelPosModel
 
+# One pytest-xdist worker runs this whole module, in order (make test: --dist loadgroup): test_zz_report_example_counts
+# reports the examples its fuzzers ran in this process.
+pytestmark = pytest.mark.xdist_group("test_modeling_fuzz")
+
 
 def check_output(out, expected_shape):
     assert tuple(out.shape) == tuple(expected_shape), f"output shape {tuple(out.shape)} != {tuple(expected_shape)}"
