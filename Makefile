@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat compat-venvs compat-one docs
+.PHONY: run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat compat-venvs compat-tests docs
 
 setup: $(STAMP)
 
@@ -88,60 +88,75 @@ COMPAT_TRANSFORMERS ?= 5.21.0 5.24.0
 TORCH_PIN := $(shell sed -n 's/^torch==//p' constraints-dev.txt)
 RUN_ARGS := --steps 300 --overwrite
 PROMPT := "The for statement"
+# The main jobs and the cross-version folders run two at a time (make -j2), each on one thread (the dev pin's and
+# every version's with the same thread count, so that their texts are comparable) and with a remote-code cache of
+# its own (two loads of folders of the same name would write the same files in a shared one).
+COMPAT_JOB_ENV = OMP_NUM_THREADS=1 HF_MODULES_CACHE=$(CURDIR)/build/compat/modules/$(notdir $@)
 
+# First the suites, one version after the other (each already on every core), then the main jobs and the
+# cross-version folders of all versions, two at a time (a training run keeps less than two cores busy, a
+# cross-version check one).
 compat: $(STAMP) compat-venvs
 	rm -rf build/compat build/lib build/bdist.* && mkdir -p build/compat
 	$(PY) -m pip wheel --quiet --no-deps -w build/compat/wheel .
-	$(PY) scripts/cross_version.py save build/compat/dev
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos train --output-dir runs/compat-dev $(RUN_ARGS) --quiet
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos generate runs/compat-dev --prompt $(PROMPT) \
-		> build/compat/generate-dev.txt
-	for version in $(COMPAT_TRANSFORMERS); do $(MAKE) --no-print-directory compat-one TF=$$version || exit 1; done
+	for version in $(COMPAT_TRANSFORMERS); do $(MAKE) --no-print-directory compat-tests TF=$$version || exit 1; done
+	$(MAKE) --no-print-directory -j2 --output-sync=target $(foreach version,$(COMPAT_TRANSFORMERS),compat-check-$(version))
 
-# One virtual environment per tested Transformers: the development torch, that Transformers and the dependencies
-# of the wheel's `test` extra, rebuilt when pyproject.toml or the pins change. `make -j2 compat-venvs` builds
-# them side by side (pip runs on one core; .ci/run does so before `make test`); compat-one installs the wheel it
-# tests over them.
+# One virtual environment per tested Transformers: the development torch, that Transformers and the requirements
+# of the `test` extra (scripts/requirements.py reads them from pyproject.toml), rebuilt when pyproject.toml or the
+# pins change. `make -j3 setup compat-venvs` builds them beside the development one (pip runs on one core;
+# .ci/run does so); nothing is built in the checkout for them, so they do not race setup's editable install.
+# compat-tests installs the wheel under test over them.
 COMPAT_VENVS := $(foreach version,$(COMPAT_TRANSFORMERS),$(VENV)-tf$(version)/.installed)
 compat-venvs: $(COMPAT_VENVS)
 
-# (setuptools builds in build/lib and copies all of it into the wheel: emptied first, so that a module deleted
-# from the source is not shipped from an earlier build)
-build/compat-deps/.built: $(STAMP) pyproject.toml
-	rm -rf build/compat-deps build/lib build/bdist.* && mkdir -p build/compat-deps
-	$(PY) -m pip wheel --quiet --no-deps -w build/compat-deps/wheel .
-	touch $@
-
-$(VENV)-tf%/.installed: build/compat-deps/.built constraints-dev.txt
+$(VENV)-tf%/.installed: pyproject.toml constraints-dev.txt scripts/requirements.py
 	rm -rf $(VENV)-tf$*
 	$(PYTHON) -m venv $(VENV)-tf$*
+	$(PYTHON) scripts/requirements.py test > $(VENV)-tf$*/requirements.txt
 	$(VENV)-tf$*/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)-tf$*/bin/python -m pip install --quiet "torch==$(TORCH_PIN)"
-	$(VENV)-tf$*/bin/python -m pip install --quiet "torch==$(TORCH_PIN)" "transformers==$*" \
-		"$$(ls build/compat-deps/wheel/hf_relpos-*.whl)[test]"
+	$(VENV)-tf$*/bin/python -m pip install --quiet "torch==$(TORCH_PIN)" "transformers==$*" -r $(VENV)-tf$*/requirements.txt
 	touch $@
 
 # The suite against the oldest tested Transformers: the tests marked transformers_dependent (tests/conftest.py);
-# against the newest: all of them.
+# against the newest: all of them. The wheel under test (built by `make compat`) is installed over the venv first.
 COMPAT_OLDEST := $(firstword $(COMPAT_TRANSFORMERS))
 
-compat-one: $(VENV)-tf$(TF)/.installed
+compat-tests: $(VENV)-tf$(TF)/.installed
 	@echo "== compatibility: transformers $(TF), torch $(TORCH_PIN)"
 	$(VENV)-tf$(TF)/bin/python -m pip install --quiet --no-deps --force-reinstall "$$(ls build/compat/wheel/hf_relpos-*.whl)"
 	$(VENV)-tf$(TF)/bin/hf-relpos --version
 	HF_RELPOS_TEST_INSTALLED=1 OMP_NUM_THREADS=1 $(VENV)-tf$(TF)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) $(PYTEST_REPORT) \
 		$(if $(filter $(TF),$(COMPAT_OLDEST)),-m transformers_dependent)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos train --output-dir runs/compat-$(TF) $(RUN_ARGS)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)-tf$(TF)/bin/hf-relpos generate runs/compat-$(TF) --prompt $(PROMPT) \
-		> build/compat/generate-$(TF).txt
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(VENV)/bin/hf-relpos generate runs/compat-$(TF) --prompt $(PROMPT) \
-		> build/compat/generate-$(TF)-read-by-dev.txt
-	cat build/compat/generate-$(TF).txt
-	cmp build/compat/generate-$(TF).txt build/compat/generate-dev.txt
-	cmp build/compat/generate-$(TF).txt build/compat/generate-$(TF)-read-by-dev.txt
-	$(VENV)-tf$(TF)/bin/python scripts/cross_version.py check build/compat/dev
-	$(VENV)-tf$(TF)/bin/python scripts/cross_version.py save build/compat/tf$(TF)
-	$(PY) scripts/cross_version.py check build/compat/tf$(TF)
+
+# The main job under the development pin, and its folders for the other versions to decode.
+build/compat/generate-dev.txt:
+	$(COMPAT_JOB_ENV) $(VENV)/bin/hf-relpos train --output-dir runs/compat-dev $(RUN_ARGS) --quiet
+	$(COMPAT_JOB_ENV) $(VENV)/bin/hf-relpos generate runs/compat-dev --prompt $(PROMPT) > $@.part && mv $@.part $@
+
+build/compat/dev/expected.json:
+	$(COMPAT_JOB_ENV) $(PY) scripts/cross_version.py save build/compat/dev
+
+# The main job under one version: its text, and the same folder decoded under the development pin.
+build/compat/generate-%.txt:
+	$(COMPAT_JOB_ENV) $(VENV)-tf$*/bin/hf-relpos train --output-dir runs/compat-$* $(RUN_ARGS) --quiet
+	$(COMPAT_JOB_ENV) $(VENV)-tf$*/bin/hf-relpos generate runs/compat-$* --prompt $(PROMPT) > $@.part
+	$(COMPAT_JOB_ENV) $(VENV)/bin/hf-relpos generate runs/compat-$* --prompt $(PROMPT) > build/compat/generate-$*-read-by-dev.txt
+	mv $@.part $@
+
+.PRECIOUS: build/compat/generate-%.txt  # kept after the checks (make deletes what a pattern rule made in passing)
+
+# One version against the development pin: the same main-job text both ways, the development pin's folders
+# decoded under this version and this version's under the development pin.
+compat-check-%: build/compat/generate-%.txt build/compat/generate-dev.txt build/compat/dev/expected.json
+	@echo "== compatibility: transformers $*: the main job's text"
+	cat build/compat/generate-$*.txt
+	cmp build/compat/generate-$*.txt build/compat/generate-dev.txt
+	cmp build/compat/generate-$*.txt build/compat/generate-$*-read-by-dev.txt
+	$(COMPAT_JOB_ENV) $(VENV)-tf$*/bin/python scripts/cross_version.py check build/compat/dev
+	$(COMPAT_JOB_ENV) $(VENV)-tf$*/bin/python scripts/cross_version.py save build/compat/tf$*
+	$(COMPAT_JOB_ENV) $(PY) scripts/cross_version.py check build/compat/tf$*
 
 # Transformers' own common model tests (ModelTesterMixin, GenerationTesterMixin, ConfigTester) on every
 # scheme, causal, bidirectional and encoder-decoder, from the Transformers sdist (see scripts/upstream_common_tests.py).

@@ -460,8 +460,12 @@ def test_gradient_checkpointing_same_gradients(position_encoding, use_reentrant)
 # ---------------------------------------------------------------------------
 
 COMPILE_SCHEMES = ("t5_bias", "shaw", "transformer_xl", "rope")
+# The tests that run inductor share one pytest-xdist worker: its first compile in a process starts inductor
+# (about 20 s of CPU here), which two workers would each pay.
+INDUCTOR = pytest.mark.xdist_group("test_modeling-inductor")
 
 
+@INDUCTOR
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
 @pytest.mark.parametrize("position_encoding", COMPILE_SCHEMES)
 def test_torch_compile_matches_eager(position_encoding):
@@ -547,6 +551,7 @@ def test_compiled_generate_gives_eager_tokens(position_encoding):
     assert torch.equal(got, expected), f"compiled {got[:, 6:].tolist()} vs eager {expected[:, 6:].tolist()}"
 
 
+@INDUCTOR
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
 def test_inductor_compiled_generate_gives_eager_tokens():
     """The same through inductor (generated code, not just tracing), for T5's bias: its traced offset takes

@@ -271,3 +271,39 @@ def test_templates_are_read_from_a_checkout_that_is_not_installed():
     module, text = out.stdout.split("\n", 1)
     assert Path(module).resolve().is_relative_to(ROOT), module
     assert text == (ROOT / "model_cards" / "t5_bias.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("extra", ["test", "export", "serve", "docs"])
+def test_requirements_script_lists_what_the_installed_metadata_requires(extra):
+    """scripts/requirements.py (make compat-venvs installs from it) gives the requirements pip resolves for
+    ``hf_relpos[extra]`` from the installed package's metadata: the base ones and the extra's, self-references
+    expanded."""
+    import importlib.metadata
+    import importlib.util
+
+    from packaging.requirements import Requirement
+
+    spec = importlib.util.spec_from_file_location("requirements_script", ROOT / "scripts" / "requirements.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def wanted(extra: str) -> set:
+        requirements = [Requirement(text) for text in importlib.metadata.requires("hf_relpos")]
+        extras, grown = {extra}, True
+        while grown:  # the extras an extra brings through hf_relpos[...], to a fixed point
+            before = set(extras)
+            for requirement in requirements:
+                if requirement.name == "hf_relpos" and any(requirement.marker.evaluate({"extra": e}) for e in extras):
+                    extras |= requirement.extras
+            grown = extras != before
+        found = set()
+        for requirement in requirements:
+            if requirement.name == "hf_relpos":
+                continue
+            if requirement.marker is None or any(requirement.marker.evaluate({"extra": e}) for e in extras):
+                requirement.marker = None
+                found.add(str(requirement))
+        return found
+
+    got = {str(Requirement(text)) for text in script.requirements([extra])}
+    assert got == wanted(extra)
