@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention_utils import _additive_mask, _causal_pattern, _rel_shift
-from .kernels import (
+from .kernels import (  # noqa: F401 (KEY_BIAS_SPAN: the schemes' FoX span, read through this module)
+    KEY_BIAS_SPAN,
     causal_key_bias,
     causal_key_bias_applies,
     fire_mlp,

@@ -33,7 +33,8 @@ from typing import Optional
 import torch
 
 from .functional import sinusoidal_embedding
-from .position_schemes import AdditiveBiasScheme, PositionContext
+from .position_context import PositionContext
+from .position_schemes import AdditiveBiasScheme
 
 # Why a scheme has no position figure: it adds nothing to the attention logits.
 NO_POSITION_TERM = {

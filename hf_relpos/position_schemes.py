@@ -1,39 +1,30 @@
-"""The position schemes of hf_relpos models, one small class each behind one seam, and what they share:
-``PositionContext`` (where one forward's queries and keys sit) and the eager attention kernel.
+"""The position schemes of hf_relpos models, one small class each behind one seam.
 
-``modeling_relpos.RelPosModel`` builds the context once per forward and asks its scheme for the per-forward
-term; every attention layer hands queries, keys and values to ``scheme.attend``. Adding a scheme means one
-function in ``functional.py``, one class here and one line in ``POSITION_SCHEMES``.
+``modeling_relpos.RelPosModel`` builds the ``PositionContext`` once per forward (``position_context.py``) and asks
+its scheme for the per-forward term; every attention layer hands queries, keys and values to ``scheme.attend``,
+which computes it through ``attention_backends.py``. Adding a scheme means one function in ``functional.py``, one
+class here and one line in ``POSITION_SCHEMES``.
 """
 
 import ctypes
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from transformers.masking_utils import (
-    and_masks,
-    bidirectional_mask_function,
-    find_packed_sequence_indices,
-    packed_sequence_mask_function,
-    sdpa_mask,
-    sliding_window_bidirectional_overlay,
-    sliding_window_overlay,
-)
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import initialization as init
 
-from .attention_utils import _exporting
+from .attention_backends import attend_merged_bias, cpu_fast_path, interface_attention
 from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
 from .functional import (
+    KEY_BIAS_SPAN,
     alibi_bias,
     alibi_key_bias,
     alibi_slopes,
-    attention_with_bias,
     causal_key_bias_attention,
     fire_bias,
     fox_bias,
@@ -47,318 +38,7 @@ from .functional import (
     t5_position_bias,
     transformer_xl_attention,
 )
-from .kernels import KEY_BIAS_SPAN
-
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-):
-    """Plain attention in (at least) float32; a query row with no key left gives zeros, as SDPA does."""
-    work = torch.promote_types(query.dtype, torch.float32)
-    scores = torch.matmul(query, key.transpose(2, 3)).to(work) * scaling
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            keep = attention_mask
-        else:
-            keep = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-            scores = scores + attention_mask.to(work).masked_fill(~keep, 0.0)
-        scores = scores.masked_fill(~keep, torch.finfo(work).min)
-    weights = F.softmax(scores, dim=-1)
-    if attention_mask is not None:
-        weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
-    weights = weights.to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-# ----------------------------------------------------------------------------------
-# Where one forward's queries and keys sit, and what they may attend to
-# ----------------------------------------------------------------------------------
-
-
-def cache_offsets(cache, length: int) -> tuple:
-    """``(q_offset, kv_length, kv_offset)``: queries at ``q_offset + i``, keys at ``kv_offset + j`` for
-    ``j < kv_length``, read from the cache before any layer updates it (a static cache's are tensors, read
-    once in eager calls and kept as tensors in a traced graph)."""
-    if cache is None:
-        return 0, length, 0
-    q_offset = cache.get_query_offset(0)
-    kv_length, kv_offset = cache.get_mask_sizes(length, 0)
-    if not torch.compiler.is_compiling():
-        q_offset, kv_length, kv_offset = int(q_offset), int(kv_length), int(kv_offset)
-    return q_offset, kv_length, kv_offset
-
-
-def is_fresh(q_offset, kv_length: int, length: int, mem_length: int) -> bool:
-    """Self-attention of the inputs alone: no past in the cache (nor a static cache's slots), no memory."""
-    return isinstance(q_offset, int) and q_offset == 0 and kv_length == length and not mem_length
-
-
-def unpadded(attention_mask: Optional[torch.Tensor]) -> bool:
-    """No padding known: no mask, or a 2-D mask of ones (read in eager calls only: a traced graph cannot)."""
-    if attention_mask is None:
-        return True
-    return attention_mask.dim() == 2 and not torch.compiler.is_compiling() and bool(attention_mask.all())
-
-
-def packed_documents(packed: dict, position_ids, attention_mask, fresh: bool, batch: int, length: int, device):
-    """``[B, Q]`` document index of each token of packed rows, or None when the rows are not packed.
-
-    From ``cu_seq_lens_q`` or ``seq_idx`` (``DataCollatorWithFlattening``; checked by the model), else, as
-    Transformers' masks do (``_preprocess_mask_arguments``), from ``position_ids`` that restart
-    (``find_packed_sequence_indices``), and then only in a forward with nothing else to go by: no past and no
-    ``attention_mask`` (generate's position_ids for left padding also restart at each row's first token, and a
-    row of ones is no sign of packing), in eager and traced calls alike.
-    """
-    cu_seq_lens, seq_idx = packed.get("cu_seq_lens_q"), packed.get("seq_idx")
-    if cu_seq_lens is not None:
-        return torch.searchsorted(cu_seq_lens[1:].to(device), torch.arange(length, device=device), right=True)[None]
-    if seq_idx is not None:
-        return seq_idx.to(device)
-    if not fresh or position_ids is None or length < 2 or attention_mask is not None:
-        return None
-    return find_packed_sequence_indices(position_ids.expand(batch, -1))  # None in eager when not packed
-
-
-def self_attention_mask(
-    attention_mask, documents, window, *, one_sided, batch, length, q_offset, kv_length, kv_offset, mem_length, device
-) -> Optional[torch.Tensor]:
-    """What the queries may attend to besides causality: bool ``[B|1, 1, Q, M + K]`` (True = may attend) over
-    the memory, cache and current keys, or None when nothing else is masked.
-
-    Transformers' mask functions (padding, packed documents, a causal ``i - j < W`` or bidirectional
-    ``|i - j| <= W`` window) joined by ``and_masks`` and rendered by its boolean renderer ``sdpa_mask``, for
-    every attention implementation: the schemes merge the mask with their own terms. Own code for what
-    ``create_causal_mask`` / ``create_bidirectional_mask`` do otherwise (the padding rides in ``sdpa_mask``'s
-    ``attention_mask``, its ``padding_mask_function``):
-
-    - causality stays out (``PositionContext.causal``): with nothing else masked the mask is None and the
-      fused causal kernels stay available (``create_causal_mask`` materialises causality under eager and as
-      soon as an extra mask function joins, and for every batch row);
-    - a mask of batch 1 when nothing differs between rows (a window alone), so that a bias merged with it
-      stays ``[1, H, Q, K]``;
-    - Transformer-XL's memory keys precede the cache's positions, which Transformers' masks know nothing
-      of: they are always visible, unless the 2-D mask has columns for them;
-    - a prepared 4-D mask (generate's, for static caches) is taken as it is, a float one read as bool.
-    """
-    prepared = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
-    padding = attention_mask if prepared is None else None
-    if prepared is not None and prepared.dtype != torch.bool:
-        prepared = prepared > torch.finfo(prepared.dtype).min / 2
-    if padding is not None:
-        padding = padding.to(device=device, dtype=torch.bool)
-        covers_memory = mem_length and padding.shape[1] == mem_length + length
-        if not covers_memory and not torch.compiler.is_compiling() and bool(padding.all()):
-            padding = None
-        elif mem_length and not covers_memory:
-            padding = F.pad(padding, (mem_length, 0), value=True)
-    functions = [] if documents is None else [packed_sequence_mask_function(documents)]
-    if window is not None:
-        functions.append(sliding_window_overlay(window) if one_sided else sliding_window_bidirectional_overlay(window))
-    if padding is None and not functions:
-        return prepared
-    mask = sdpa_mask(
-        batch_size=batch if padding is not None or documents is not None else 1,
-        q_length=length,
-        kv_length=mem_length + kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        mask_function=and_masks(bidirectional_mask_function, *functions),
-        attention_mask=padding,
-        allow_is_causal_skip=False,
-        device=device,
-    )
-    return mask if prepared is None else prepared & mask
-
-
-@dataclass
-class PositionContext:
-    """Where the queries and keys of one forward sit, computed once and shared by all layers.
-
-    Queries sit at absolute positions ``q_offset + i`` (or ``position_ids``); the ``key_length`` keys
-    the layers attend to (memory + cache + current) start at absolute position ``q_offset - past_length``.
-    ``mask`` is a bool ``[B, 1, Q, K]`` (True = may attend) or None when nothing is masked beyond
-    causality, which ``causal`` states; ``alive`` is ``[B, 1, Q, 1]``, the query rows with a key left
-    (None: all of them). ``attn_implementation`` is ``"eager"`` whenever the layers must return
-    their attention probabilities (``output_attentions``), which only a materialising path has.
-    """
-
-    query_length: int
-    key_length: int
-    q_offset: int
-    past_length: int
-    causal: bool
-    mask: Optional[torch.Tensor]
-    position_ids: torch.Tensor
-    attn_implementation: str
-    output_attentions: bool
-    alive: Optional[torch.Tensor]
-    # The model-level scheme, referenced here rather than passed to layers as a module argument: device
-    # hooks (accelerate) would otherwise move its weights on every call.
-    scheme: "PositionScheme"
-    # ``mask`` as bool ``[B, 1, 1, K]`` when it masks keys alone (padding of a fresh forward), else None:
-    # the fused paths (band decomposition, per-key ALiBi) take such a mask without a [Q, K] tensor.
-    key_mask: Optional[torch.Tensor] = None
-    # Explicit positions (a continuous-batching step, ``from_paged``): ``[Q, K]`` long, each key's position minus
-    # each query's, which every scheme's term reads instead of the band ``past_length + i``; ``mask`` then holds
-    # causality too. None otherwise.
-    relative_position: Optional[torch.Tensor] = None
-    # The paged cache's keyword arguments for ``cache.update`` (read/write indices, cu_seq_lens_k, ...), or None.
-    paged: Optional[dict] = None
-
-    @classmethod
-    def from_inputs(
-        cls, config: RelPosConfig, scheme: "PositionScheme", inputs_embeds: torch.Tensor, attention_mask, position_ids,
-        cache, mems, packed: dict, attn_implementation: str, output_attentions: bool,
-    ) -> "PositionContext":
-        """The context of one forward over checked inputs: offsets read from the cache before any layer updates it,
-        packed documents, position ids, the mask and the live query rows. ``packed`` holds the
-        ``cu_seq_lens_q`` / ``seq_idx`` keyword arguments (None when absent)."""
-        batch, length = inputs_embeds.shape[:2]
-        device = inputs_embeds.device
-        mem_length = mems[0].shape[1] if mems is not None else 0
-        q_offset, kv_length, kv_offset = cache_offsets(cache, length)
-        fresh = is_fresh(q_offset, kv_length, length, mem_length)
-        documents = packed_documents(packed, position_ids, attention_mask, fresh, batch, length, device)
-        if position_ids is None and documents is not None:  # packed by cu_seq_lens_q / seq_idx alone
-            token = torch.arange(length, device=device).expand(batch, -1)
-            first = torch.ones_like(documents, dtype=torch.bool)
-            first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-            position_ids = token - torch.where(first, token, 0).cummax(-1).values
-        elif position_ids is None:
-            position_ids = (torch.arange(length, device=device) + q_offset)[None]
-        scheme.check_positions(position_ids)
-        window = config.sliding_window if mems is None else None
-        mask = self_attention_mask(
-            attention_mask, documents, window, one_sided=config.is_decoder or config.memory_window is not None,
-            batch=batch, length=length, q_offset=q_offset, kv_length=kv_length, kv_offset=kv_offset,
-            mem_length=mem_length, device=device,
-        )
-        ctx = cls(
-            query_length=length,
-            key_length=mem_length + kv_length,
-            q_offset=q_offset,
-            past_length=mem_length + q_offset - kv_offset,
-            causal=config.is_decoder,
-            mask=mask,
-            position_ids=position_ids,
-            # Attention probabilities exist only on the materialising (eager) paths: take them when asked.
-            attn_implementation="eager" if output_attentions else attn_implementation,
-            output_attentions=output_attentions,
-            alive=None,
-            scheme=scheme,
-        )
-        ctx.alive = ctx.live_rows(device)
-        if mask is not None and documents is None and attention_mask is not None and config.sliding_window is None:
-            if fresh and attention_mask.dim() == 2:
-                ctx.key_mask = attention_mask.bool()[:, None, None, :]
-        return ctx
-
-    @classmethod
-    def from_paged(
-        cls, config: RelPosConfig, scheme: "PositionScheme", inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
-        cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, key_length: int, paged: dict,
-        attn_implementation: str, output_attentions: bool,
-    ) -> "PositionContext":
-        """The context of one continuous-batching step (checked by the model): requests packed in one row
-        (``cu_seq_lens_q``), each query at its own request's position (``position_ids``), and the ``key_length``
-        keys the paged cache hands back, each request's (past and new, in order) in its ``cu_seq_lens_k`` segment,
-        the last one at its last query's position (a sliding window's cache keeps only the latest). Each pair gets
-        its own distance; keys of another request, later keys and keys beyond ``sliding_window`` are masked."""
-        device = inputs_embeds.device
-        length = inputs_embeds.shape[1]
-        cu_q = cu_seq_lens_q.to(device=device, dtype=torch.long)
-        cu_k = cu_seq_lens_k.to(device=device, dtype=torch.long)
-        positions = position_ids.to(device=device, dtype=torch.long)
-        query_request = torch.searchsorted(cu_q[1:], torch.arange(length, device=device), right=True)
-        key = torch.arange(key_length, device=device)
-        key_request = torch.searchsorted(cu_k[1:], key, right=True)  # past the last segment: no request's
-        last_query = positions[0, (cu_q[1:] - 1).clamp(0, length - 1)]  # [R]: each request's last query position
-        segment_end = torch.cat([cu_k[1:], cu_k[-1:]])  # a key past the segments reads the sentinel, masked
-        key_positions = last_query[key_request.clamp(max=last_query.numel() - 1)] - (segment_end[key_request] - 1 - key)
-        relative = key_positions[None, :] - positions[0][:, None]  # [Q, K]
-        mask = (query_request[:, None] == key_request[None, :]) & (relative <= 0)
-        if config.sliding_window is not None:
-            mask &= relative > -config.sliding_window
-        scheme.check_positions(positions)
-        ctx = cls(
-            query_length=length,
-            key_length=key_length,
-            q_offset=0,
-            past_length=0,
-            causal=True,
-            mask=mask[None, None],
-            position_ids=positions,
-            attn_implementation="eager" if output_attentions else attn_implementation,
-            output_attentions=output_attentions,
-            alive=None,
-            scheme=scheme,
-            relative_position=relative,
-            paged=paged,
-        )
-        ctx.alive = ctx.live_rows(device)
-        return ctx
-
-    def to(self, device, non_blocking: bool = False) -> "PositionContext":
-        """Called by accelerate's hooks when a layer sits on another device."""
-        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive),
-                       key_mask=move(self.key_mask), relative_position=move(self.relative_position))
-
-    @property
-    def traced_offset(self) -> bool:
-        """The offsets are a static cache's tensors, traced by ``torch.compile``: their values are unknown
-        on the host, so every branch that depends on them takes the path that is right for any value."""
-        return isinstance(self.past_length, torch.Tensor)
-
-    @property
-    def keys_end_at_query(self) -> bool:
-        """The keys end at the last query (every key slot filled); not so in a StaticCache, whose unfilled
-        slots follow the queries (and a traced offset may leave any number of them)."""
-        if self.relative_position is not None:
-            return False
-        return not self.traced_offset and self.key_length == self.past_length + self.query_length
-
-    @property
-    def keys_only(self) -> bool:
-        """Nothing is masked beyond causality but keys (padding): self-attention of a fresh forward."""
-        fresh = not self.traced_offset and self.past_length == 0 and self.key_length == self.query_length
-        return fresh and self.relative_position is None and (self.mask is None or self.key_mask is not None)
-
-    def causal_mask(self, device) -> torch.Tensor:
-        """[1, 1, Q, K] bool: key j is at or before the query's position."""
-        i = torch.arange(self.query_length, device=device)[:, None] + self.past_length
-        j = torch.arange(self.key_length, device=device)[None, :]
-        return (j <= i)[None, None]
-
-    def full_mask(self, device) -> Optional[torch.Tensor]:
-        """The bool mask including causality (and a static cache's unfilled slots), or None if nothing is masked."""
-        mask = self.mask
-        if self.relative_position is not None:  # explicit positions: the mask holds causality already
-            return mask
-        if self.causal:
-            causal = self.causal_mask(device)
-            mask = causal if mask is None else mask & causal
-        elif not self.keys_end_at_query:
-            filled = (torch.arange(self.key_length, device=device) < self.past_length + self.query_length)
-            mask = filled[None, None, None] if mask is None else mask & filled
-        return mask
-
-    def live_rows(self, device) -> Optional[torch.Tensor]:
-        """``[B, 1, Q, 1]`` bool: query rows with at least one visible key, or None when every row has one."""
-        if self.mask is None:  # causality and a static cache's fill always leave a query its own key
-            return None
-        alive = self.full_mask(device).any(dim=-1, keepdim=True)
-        if torch.compiler.is_compiling():  # no host sync in a traced graph: keep the (cheap) mask
-            return alive
-        return None if bool(alive.all()) else alive
-
+from .position_context import PositionContext
 
 # ----------------------------------------------------------------------------------
 # Position schemes: the seam
@@ -386,6 +66,20 @@ class PositionScheme(nn.Module):
     token_init_std: Optional[float] = None
     # Channels the scheme appends to the keys (and so to the cache's keys) beyond head_dim, in ``prepare``.
     key_channels: int = 0
+    # The config fields sizing each dimension of the scheme's parameters, by the end of their names (the loading
+    # check names the field when a config does not describe its checkpoint: loading_relpos.parameter_fields).
+    parameter_fields: tuple = ()
+    # Context parallelism shards the sequence and keeps only a plain causal mask: a scheme survives it only if it
+    # acts before attention, on position ids (a bias over global distances, Shaw's and Transformer-XL's terms
+    # would be dropped).
+    context_parallel: bool = False
+    # Whether the model takes a segment memory (``mems``, Transformer-XL's) where the config's mem_len > 0.
+    takes_memory: bool = False
+
+    @staticmethod
+    def continuous_batching_refusal(config: RelPosConfig) -> Optional[str]:
+        """Why a causal model of this scheme cannot take part in continuous batching (None when it can)."""
+        return None
 
     def __init__(self, config: RelPosConfig):
         super().__init__()
@@ -424,23 +118,7 @@ class PositionScheme(nn.Module):
         return query, key
 
     def attend(self, attn: nn.Module, query, key, value, term, ctx: PositionContext):
-        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
-        mask = term if isinstance(term, torch.Tensor) else None
-        out, weights = interface(
-            attn,
-            query,
-            key,
-            value,
-            mask,
-            dropout=attn.attention_dropout if attn.training else 0.0,
-            scaling=attn.scaling,
-            is_causal=ctx.causal and mask is None,
-        )
-        if ctx.alive is not None and _exporting():
-            # Zeros for a query with no key left, as eager SDPA gives: the ONNX translation of SDPA with a boolean
-            # mask averages the masked values there instead.
-            out = out * ctx.alive.transpose(1, 2)
-        return out, weights
+        return interface_attention(attn, query, key, value, term if isinstance(term, torch.Tensor) else None, ctx)
 
 
 class AdditiveBiasScheme(PositionScheme):
@@ -472,14 +150,8 @@ class AdditiveBiasScheme(PositionScheme):
 
     def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
         """The compact form where one applies, else the bias merged with the mask: ``[B|1, H, Q, K]``."""
-        fused_cpu = (
-            not _exporting()  # the compact forms' paths are eager fast paths (T5's band reads its reach on the host)
-            and ctx.attn_implementation == "sdpa"
-            and device.type == "cpu"
-            and ctx.keys_only
-            and not (self.training and self.attention_dropout > 0.0)
-        )
-        compact = self.compact(ctx, device, dtype) if fused_cpu else None
+        dropout = self.attention_dropout if self.training else 0.0
+        compact = self.compact(ctx, device, dtype) if cpu_fast_path(ctx, device, dropout) else None
         if compact is not None:
             return compact
         bias = self.bias(ctx, device, dtype).to(dtype)
@@ -489,30 +161,15 @@ class AdditiveBiasScheme(PositionScheme):
     def attend(self, attn, query, key, value, bias, ctx):
         if bias.dim() == 2:  # the compact form of forward()
             return self.attend_compact(attn, query, key, value, bias, ctx).transpose(1, 2), None
-        return attend_merged_bias(self, attn, query, key, value, bias, ctx)
-
-
-def attend_merged_bias(scheme: PositionScheme, attn, query, key, value, bias, ctx):
-    """Attention with a bias merged with the mask (``[B|1, H, Q, K]``, masked entries at the dtype's minimum)."""
-    dropout = attn.attention_dropout if attn.training else 0.0
-    if ctx.attn_implementation == "sdpa" and bias.requires_grad and dropout == 0.0 and query.is_cpu:
-        # A trained bias (T5's) would push CPU SDPA onto its slow math path: keep the fused kernel.
-        out, weights = attention_with_bias(query, key, value, bias, scale=attn.scaling).transpose(1, 2), None
-    else:
-        out, weights = PositionScheme.attend(scheme, attn, query, key, value, bias, ctx)
-    if ctx.alive is not None:
-        # A query with no key left (padding) gives zeros under every kernel, as in plain SDPA: the
-        # finfo.min entries of the merged bias would otherwise average the masked values.
-        out = out * ctx.alive.transpose(1, 2)
-    if _exporting():
-        # A copy in the exported graph: with a bias that needs a gradient, the ONNX exporter decomposes SDPA into
-        # an output of another layout than the traced one, which the layer's reshape (traced as a view) cannot view.
-        out = out.clone(memory_format=torch.contiguous_format)
-    return out, weights
+        return attend_merged_bias(attn, query, key, value, bias, ctx)
 
 
 class T5BiasScheme(AdditiveBiasScheme):
     """Raffel et al. 2020: a learned scalar per (distance bucket, head), one table for all layers."""
+
+    parameter_fields = (
+        (r"relative_attention_bias\.weight", (("relative_attention_num_buckets",), ("num_attention_heads",))),
+    )
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
@@ -600,11 +257,17 @@ class KerpleLogScheme(AdditiveBiasScheme):
 
     # KERPLE's code keeps r1, r2 positive by clamping them at this floor.
     floor = 1e-2
+    parameter_fields = ((r"position\.r[12]", (("num_attention_heads",),)),)
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.r1 = nn.Parameter(torch.ones(config.num_attention_heads))
         self.r2 = nn.Parameter(torch.ones(config.num_attention_heads))
+
+    def init_position_weights(self, std: float) -> None:
+        """``_init_weights``: as KERPLE's code, r1 ~ U(0, 2), r2 ~ U(0, 1)."""
+        init.uniform_(self.r1, 0.0, 2.0)
+        init.uniform_(self.r2, 0.0, 1.0)
 
     def bias(self, ctx, device, dtype):
         # Clamped in value, not in gradient (straight through): a parameter below the floor can still come back,
@@ -619,6 +282,14 @@ class KerpleLogScheme(AdditiveBiasScheme):
 class FireScheme(AdditiveBiasScheme):
     """Li et al. 2024 (FIRE): a learned MLP of the progressively normalised log distance, causal."""
 
+    parameter_fields = (
+        (r"position\.mlp\.2\.bias", (("num_attention_heads",),)),
+        (r"position\.mlp\.0\.weight", (("fire_mlp_width",), ())),
+        (r"position\.mlp\.0\.bias", (("fire_mlp_width",),)),
+        (r"position\.mlp\.2\.weight", (("num_attention_heads",), ("fire_mlp_width",))),
+        (r"position\.(c|threshold_scale)", ()),
+    )
+
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.init_threshold = config.fire_threshold
@@ -632,6 +303,12 @@ class FireScheme(AdditiveBiasScheme):
         self.c = nn.Parameter(torch.tensor(0.1))
         # The threshold L as the paper's code learns it: a multiplier of its initial value.
         self.threshold_scale = nn.Parameter(torch.tensor(1.0))
+
+    def init_position_weights(self, std: float) -> None:
+        """``_init_weights``: as FIRE's code, c = 0.1 and the threshold multiplier 1 (the MLP's Linear layers are
+        initialised as PyTorch does, ``torch_default_init``)."""
+        init.constant_(self.c, 0.1)
+        init.constant_(self.threshold_scale, 1.0)
 
     def bias(self, ctx, device, dtype):
         first, last = self.mlp[0], self.mlp[2]
@@ -674,6 +351,17 @@ class FoxScheme(PositionScheme):
     """
 
     key_channels = 1
+    parameter_fields = (  # the forget gate
+        (r"fgate_proj\.weight", (("num_attention_heads",), ("hidden_size",))),
+        (r"fgate_proj\.bias", (("num_attention_heads",),)),
+    )
+
+    @staticmethod
+    def continuous_batching_refusal(config):
+        return (
+            "position_encoding='fox': FoX carries each token's forget gate in one more channel of its cached key, "
+            "which the paged cache's blocks (sized head_dim) have no room for; use generate"
+        )
 
     @staticmethod
     def layer_module(config):
@@ -689,15 +377,7 @@ class FoxScheme(PositionScheme):
     def attend(self, attn, query, key, value, term, ctx):
         key, log_forget = key[..., :-1], key[..., -1]
         dropout = attn.attention_dropout if attn.training else 0.0
-        fused_cpu = (
-            not _exporting()
-            and ctx.attn_implementation == "sdpa"
-            and query.device.type == "cpu"
-            and query.dtype in (torch.float32, torch.float64)
-            and ctx.keys_only
-            and dropout == 0.0
-        )
-        if fused_cpu:
+        if cpu_fast_path(ctx, query.device, dropout) and query.dtype in (torch.float32, torch.float64):
             out = causal_key_bias_attention(
                 query, key, value, fox_key_bias(log_forget), attention_mask=ctx.key_mask, scale=attn.scaling,
                 span=KEY_BIAS_SPAN,
@@ -705,11 +385,13 @@ class FoxScheme(PositionScheme):
             return out.transpose(1, 2), None
         bias = fox_bias(log_forget, ctx.query_length, past_length=ctx.past_length).to(query.dtype)
         bias = torch.where(ctx.full_mask(query.device), bias, torch.finfo(query.dtype).min)
-        return attend_merged_bias(self, attn, query, key, value, bias, ctx)
+        return attend_merged_bias(attn, query, key, value, bias, ctx)
 
 
 class RopeScheme(PositionScheme):
     """Su et al. 2021: rotate query/key pairs by ``position · θ^(-2k/d)`` (the plain-SDPA floor)."""
+
+    context_parallel = True
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
@@ -737,6 +419,8 @@ class RopeScheme(PositionScheme):
 
 class AbsoluteScheme(PositionScheme):
     """Absolute positions added to the token embeddings, limited to ``max_position_embeddings``."""
+
+    context_parallel = True
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
@@ -779,6 +463,8 @@ class SinusoidalScheme(AbsoluteScheme):
 class LearnedScheme(AbsoluteScheme):
     """A learned absolute position embedding table (GPT-2 style)."""
 
+    parameter_fields = ((r"position_embeddings\.weight", (("max_position_embeddings",), ("hidden_size",))),)
+
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
@@ -802,6 +488,12 @@ class ShawRelative(nn.Module):
         self.rel_k = nn.Parameter(torch.zeros(n, config.head_dim))
         self.rel_v = nn.Parameter(torch.zeros(n, config.head_dim)) if config.shaw_value_embeddings else None
 
+    def init_position_weights(self, std: float) -> None:
+        """``_init_weights``: N(0, std), as every table of the model."""
+        init.normal_(self.rel_k, mean=0.0, std=std)
+        if self.rel_v is not None:
+            init.normal_(self.rel_v, mean=0.0, std=std)
+
     def forward(self):
         # called (not just read) so that accelerate's offload hooks load these parameters
         return self.rel_k, self.rel_v
@@ -809,6 +501,8 @@ class ShawRelative(nn.Module):
 
 class ShawScheme(PositionScheme):
     """Shaw et al. 2018: learned relative key/value embeddings, distances clipped to ``[-k, k]``."""
+
+    parameter_fields = ((r"rel_[kv]", (("max_relative_position",), ("head_dim",))),)
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
@@ -860,6 +554,11 @@ class TransformerXLRelative(nn.Module):
         self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self._projected = None  # inference only: (weights, device, dtype, highest distance, [H, span, D] descending)
+
+    def init_position_weights(self, std: float) -> None:
+        """``_init_weights``: ``u`` and ``v`` N(0, std) (``r_net`` is a Linear, initialised as the others)."""
+        init.normal_(self.r_w_bias, mean=0.0, std=std)
+        init.normal_(self.r_r_bias, mean=0.0, std=std)
 
     def train(self, mode: bool = True):
         self._projected = None
@@ -945,6 +644,22 @@ class RelativeDistances:
 
 class TransformerXLScheme(PositionScheme):
     """Dai et al. 2019: sinusoidal ``R`` for distances ``K-1 .. 0`` (and negative ones when bidirectional)."""
+
+    parameter_fields = (
+        (r"r_net\.weight", (("num_attention_heads", "head_dim"), ("hidden_size",))),
+        (r"r_[wr]_bias", (("num_attention_heads",), ("head_dim",))),
+    )
+    takes_memory = True  # Dai et al.'s segment memory (``mems``), where mem_len > 0
+
+    @staticmethod
+    def continuous_batching_refusal(config):
+        if config.mem_len == 0:
+            return None
+        return (
+            f"position_encoding='transformer_xl' with mem_len={config.mem_len}: Transformer-XL's memory (the hidden "
+            "states of the previous segment) has no place in a paged cache of keys and values; use generate, or a "
+            "model with mem_len=0"
+        )
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)

@@ -18,7 +18,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM,
 
 import hf_relpos
 from hf_relpos import RelPosForCausalLM, RelPosForConditionalGeneration, RelPosModel
-from hf_relpos.modeling_relpos import AUTO_MAP
+from hf_relpos.loading_relpos import AUTO_MAP
 from test_loading_safety import SCRIPT  # its subprocess: hf_relpos blocked when remote, RLIMIT_AS capped
 from tiny import make_model, tiny_config
 

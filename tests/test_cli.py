@@ -41,8 +41,9 @@ pytestmark = pytest.mark.xdist_group("test_cli")
 torch.set_num_threads(1)
 
 PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent
-CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "position_schemes.py", "functional.py", "kernels.py",
-              "attention_utils.py", "model_card_relpos.py")
+CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "generation_relpos.py", "inputs_relpos.py",
+              "loading_relpos.py", "position_context.py", "attention_backends.py", "position_schemes.py",
+              "functional.py", "kernels.py", "attention_utils.py", "model_card_relpos.py")
 AUTO_MAP_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 SUBCOMMANDS = ("train", "generate", "eval", "validate-t5", "compare", "inspect")
 SCHEME_TAG = {"t5_bias": "t5-bias", "transformer_xl": "transformer-xl", "learned": "learned-absolute"}

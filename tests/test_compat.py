@@ -24,7 +24,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 import hf_relpos
 from hf_relpos import POSITION_ENCODINGS, RelPosConfig, RelPosForCausalLM, RelPosForSequenceClassification, RelPosModel
 from hf_relpos import versions
-from hf_relpos.modeling_relpos import CACHE_FIELD
+from hf_relpos.inputs_relpos import CACHE_FIELD
 from hf_relpos.t5_conversion import random_t5
 from hf_relpos_cli import main as cli_main
 

@@ -49,8 +49,9 @@ from transformers import (
 torch.set_num_threads(1)
 
 PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent
-CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "position_schemes.py", "functional.py", "kernels.py",
-              "attention_utils.py", "model_card_relpos.py")
+CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "generation_relpos.py", "inputs_relpos.py",
+              "loading_relpos.py", "position_context.py", "attention_backends.py", "position_schemes.py",
+              "functional.py", "kernels.py", "attention_utils.py", "model_card_relpos.py")
 AUTO_MAP_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 VOCAB = 384  # len(ByT5Tokenizer())
 REMOTE_ENCODINGS = POSITION_ENCODINGS  # all eight; t5_bias, shaw, transformer_xl at least

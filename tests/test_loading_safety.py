@@ -29,7 +29,7 @@ from hf_relpos import (
     RelPosModel,
 )
 from hf_relpos.configuration_relpos import CAUSAL_ONLY
-from hf_relpos.modeling_relpos import MISSING_VALUES_FLOOR, _check_checkpoint_fits, parameter_fields
+from hf_relpos.loading_relpos import MISSING_VALUES_FLOOR, check_checkpoint_fits, parameter_fields
 from tiny import make_model
 
 BIG, DEEP = 10**9, 10**6
@@ -296,7 +296,7 @@ def test_what_a_checkpoint_lacks_within_the_bound_still_loads(tmp_path):
                                          r"2 layers: the [\d,]+ values it lacks are more than a checkpoint may lack \(16,777,216"):
         RelPosForCausalLM.from_pretrained(folder, config=RelPosConfig(**deeper))
     # (the check alone: loading would build and initialise those 1,300 layers)
-    _check_checkpoint_fits(RelPosForCausalLM, str(folder), {"config": RelPosConfig(**{**deeper, "num_hidden_layers": fits})})
+    check_checkpoint_fits(RelPosForCausalLM, str(folder), {"config": RelPosConfig(**{**deeper, "num_hidden_layers": fits})})
 
 
 def test_a_folder_without_weights_is_left_to_transformers(tmp_path):

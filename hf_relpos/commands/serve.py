@@ -100,7 +100,7 @@ def serve_command(args) -> int:
     import torch
     from transformers import GenerationConfig
 
-    from ..modeling_relpos import continuous_batching_refusal
+    from ..inputs_relpos import continuous_batching_refusal
 
     device = _device(args.device)
     model, tokenizer = load_folder(args.folder, encoder_decoder=True)

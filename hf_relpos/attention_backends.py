@@ -1,0 +1,102 @@
+"""Attention backends: how a position term is computed, given what the scheme says it is.
+
+- ``eager_attention_forward``: plain attention that materialises the probabilities (``output_attentions``);
+- ``interface_attention``: the config's ``attn_implementation`` through Transformers' attention interface
+  (eager, SDPA, or one a user registered), a mask or a bias merged with it as the additive term;
+- ``attend_merged_bias``: a bias merged with the mask, kept on CPU SDPA's fused kernel when it needs a gradient;
+- ``cpu_fast_path``: the one predicate for the fused CPU paths of ``kernels.py`` that a scheme's compact term
+  takes (T5's bias per clipped distance, ALiBi's and FoX's per-key bias).
+"""
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .attention_utils import _exporting
+from .functional import attention_with_bias
+from .position_context import PositionContext
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """Plain attention in (at least) float32; a query row with no key left gives zeros, as SDPA does."""
+    work = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.matmul(query, key.transpose(2, 3)).to(work) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            keep = attention_mask
+        else:
+            keep = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+            scores = scores + attention_mask.to(work).masked_fill(~keep, 0.0)
+        scores = scores.masked_fill(~keep, torch.finfo(work).min)
+    weights = F.softmax(scores, dim=-1)
+    if attention_mask is not None:
+        weights = weights.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)
+    weights = weights.to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def cpu_fast_path(ctx: PositionContext, device: torch.device, dropout: float) -> bool:
+    """Whether a scheme's compact term takes a fused CPU path of ``kernels.py``: CPU's SDPA path, self-attention of
+    a fresh forward with nothing masked but keys (``ctx.keys_only``), no attention dropout, and not while
+    exporting (those paths are eager fast paths: T5's band reads its reach on the host)."""
+    return (
+        not _exporting()
+        and ctx.attn_implementation == "sdpa"
+        and device.type == "cpu"
+        and ctx.keys_only
+        and dropout == 0.0
+    )
+
+
+def interface_attention(attn: nn.Module, query, key, value, mask: Optional[torch.Tensor], ctx: PositionContext):
+    """``ctx.attn_implementation`` through Transformers' attention interface; ``mask`` is the bool mask or a bias
+    merged with it (None: nothing masked, SDPA's own causal flag where the model is causal)."""
+    interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
+    out, weights = interface(
+        attn,
+        query,
+        key,
+        value,
+        mask,
+        dropout=attn.attention_dropout if attn.training else 0.0,
+        scaling=attn.scaling,
+        is_causal=ctx.causal and mask is None,
+    )
+    if ctx.alive is not None and _exporting():
+        # Zeros for a query with no key left, as eager SDPA gives: the ONNX translation of SDPA with a boolean
+        # mask averages the masked values there instead.
+        out = out * ctx.alive.transpose(1, 2)
+    return out, weights
+
+
+def attend_merged_bias(attn: nn.Module, query, key, value, bias: torch.Tensor, ctx: PositionContext):
+    """Attention with a bias merged with the mask (``[B|1, H, Q, K]``, masked entries at the dtype's minimum)."""
+    dropout = attn.attention_dropout if attn.training else 0.0
+    if ctx.attn_implementation == "sdpa" and bias.requires_grad and dropout == 0.0 and query.is_cpu:
+        # A trained bias (T5's) would push CPU SDPA onto its slow math path: keep the fused kernel.
+        out, weights = attention_with_bias(query, key, value, bias, scale=attn.scaling).transpose(1, 2), None
+    else:
+        out, weights = interface_attention(attn, query, key, value, bias, ctx)
+    if ctx.alive is not None:
+        # A query with no key left (padding) gives zeros under every kernel, as in plain SDPA: the
+        # finfo.min entries of the merged bias would otherwise average the masked values.
+        out = out * ctx.alive.transpose(1, 2)
+    if _exporting():
+        # A copy in the exported graph: with a bias that needs a gradient, the ONNX exporter decomposes SDPA into
+        # an output of another layout than the traced one, which the layer's reshape (traced as a view) cannot view.
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out, weights

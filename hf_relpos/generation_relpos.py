@@ -1,0 +1,162 @@
+"""Generation: the hooks of Transformers' ``GenerationMixin`` and continuous batching that these models need, as
+mixins the heads inherit (``modeling_relpos.py`` overrides none of GenerationMixin's methods).
+
+- every head: ``generate``'s own keyword arguments kept out of the model's inputs, and a static cache sized from
+  the first keys where a scheme's keys carry more channels (FoX);
+- the causal LM: continuous batching refused in one line for a model that cannot take part, requests that cannot
+  run refused at the caller, Transformer-XL's ``mems`` never fed back as a cache;
+- the encoder-decoder: continuous batching refused, generate's cross-attention cache without a window, the
+  encoder handed only what it takes.
+"""
+
+import inspect
+from typing import Optional
+
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
+from transformers.generation import GenerationMixin
+
+from .inputs_relpos import CACHE_FIELD, MODEL_KWARGS, continuous_batching_refusal
+from .position_schemes import POSITION_SCHEMES
+
+
+def _request_refusal(prompt: int, max_new_tokens, limit: Optional[int], encoding: str) -> Optional[str]:
+    """Why a continuous-batching request of ``prompt`` tokens and ``max_new_tokens`` cannot run (None when it can):
+    an empty prompt (its step would have no row to read the next token from), or one that runs past an absolute
+    position table of ``limit`` positions (``generate`` raises at the same position)."""
+    if prompt == 0:
+        return "input_ids is an empty prompt: a request needs at least one token to continue from (a BOS token)"
+    if limit is None:
+        return None
+    last = prompt - 1 + max(int(max_new_tokens or 0) - 1, 0)  # the last token fed to the model (the final one is not)
+    if last < limit:
+        return None
+    answer = f" and max_new_tokens={max_new_tokens}" if max_new_tokens else ""
+    return (
+        f"a prompt of {prompt} tokens{answer} needs position {last}, past max_position_embeddings={limit} of the "
+        f"{encoding!r} position table: prompt plus max_new_tokens may be at most {limit + 1} tokens"
+    )
+
+
+def _check_requests(manager, add_request, limit: Optional[int], encoding: str):
+    """``add_request`` refusing a request that cannot run (``_request_refusal``), at the caller: its step's forward
+    would raise in the manager's thread, which then fails every request and stops."""
+    signature = inspect.signature(add_request)
+
+    def checked(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        new = bound.arguments.get("max_new_tokens")
+        new = manager.generation_config.max_new_tokens if new is None else new
+        refusal = _request_refusal(len(bound.arguments["input_ids"]), new, limit, encoding)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return add_request(*args, **kwargs)
+
+    checked._relpos_checked = True
+    return checked
+
+
+class RelPosGenerationMixin(GenerationMixin):
+    """``GenerationMixin`` whose model inputs leave out what ``generate`` keeps for its own use: its decoding loop
+    (``_sample``) takes ``tokenizer`` / ``assistant_tokenizer`` (given for ``stop_strings``) into the model
+    keyword arguments, which upstream forwards swallow in ``**kwargs`` and ours, naming all they take, refuse."""
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        for name in ("tokenizer", "assistant_tokenizer"):
+            kwargs.pop(name, None)
+        return super().prepare_inputs_for_generation(*args, **kwargs)
+
+    # generate (and Transformers' tests) read this method's parameters: `inputs_embeds` among them is what lets
+    # `generate(inputs_embeds=...)` run, so it keeps the signature of the method it wraps.
+    prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
+
+    def _get_static_cache_init_shape(self, *args, **kwargs):
+        """Transformers sizes an eagerly initialised StaticCache (``prefill_chunk_size``) for keys of head_dim: where
+        the scheme carries more channels in its keys (FoX), the cache initialises from the first keys instead."""
+        if POSITION_SCHEMES[self.config.get_text_config(decoder=True).position_encoding].key_channels:
+            return None  # as Transformers does for keys and values of different sizes (MLA)
+        return super()._get_static_cache_init_shape(*args, **kwargs)
+
+
+class CausalLMGenerationMixin(RelPosGenerationMixin):
+    """The causal LM's generation and continuous-batching hooks."""
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Transformers' continuous batching (``generate_batch`` and ``continuous_batching_context_manager`` start
+        here), refused in one ``ValueError`` for a model that cannot take part (``continuous_batching_refusal``)."""
+        refusal = continuous_batching_refusal(self.config)
+        if refusal is not None:
+            raise ValueError(f"{type(self).__name__} cannot use continuous batching (generate_batch): {refusal}")
+        manager = super().init_continuous_batching(*args, **kwargs)
+        if not getattr(manager.add_request, "_relpos_checked", False):
+            limit = getattr(self.model.position, "max_positions", None)
+            manager.add_request = _check_requests(manager, manager.add_request, limit, self.config.position_encoding)
+        return manager
+
+    def generate_batch(self, inputs, generation_config=None, *args, **kwargs):
+        """Transformers' ``generate_batch``, with the requests that cannot run (an empty prompt, one past an absolute
+        position table) refused before any runs (Transformers' own logs an error raised while adding requests and
+        returns no result)."""
+        limit = getattr(self.model.position, "max_positions", None)
+        config = self.generation_config if generation_config is None else generation_config
+        new = kwargs.get("max_new_tokens")
+        new = config.max_new_tokens if new is None else new
+        for index, prompt in enumerate(inputs):
+            refusal = _request_refusal(len(prompt), new, limit, self.config.position_encoding)
+            if refusal is not None:
+                raise ValueError(f"generate_batch: inputs[{index}]: {refusal}")
+        return super().generate_batch(inputs, generation_config, *args, **kwargs)
+
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
+        # Transformers' generate before 5.24 reads an output named `mems` as the cache (XLNet's legacy); our
+        # decoding memory is the (sliding) KV cache, so never feed mems back as past_key_values. (5.24 reads
+        # only `cache`: then this finds nothing to remove.)
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        if isinstance(model_kwargs.get("past_key_values"), list):
+            # Removed, not set to None: beam search reorders any cache it finds among the kwargs.
+            del model_kwargs["past_key_values"]
+        return model_kwargs
+
+
+class Seq2SeqGenerationMixin(RelPosGenerationMixin):
+    """The encoder-decoder's generation hooks."""
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused in one ``ValueError``: continuous batching is for decoder-only models (``generate_batch`` too)."""
+        raise ValueError(
+            f"{type(self).__name__} cannot use continuous batching (generate_batch): "
+            f"{continuous_batching_refusal(self.config)}"
+        )
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """Transformers builds generate's cross-attention cache from the decoder's config, so with a
+        ``sliding_window`` its layers would keep only the last source tokens: rebuild it without the window, of
+        the same kind (dynamic or static, offloaded or not), as upstream T5Gemma does."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get(CACHE_FIELD)
+        if (
+            not isinstance(cache, EncoderDecoderCache)
+            or getattr(cache, "_is_user_defined", False)
+            or not any(cache.cross_attention_cache.is_sliding)
+        ):
+            return
+        cross = cache.cross_attention_cache
+        config = self.config.get_text_config(decoder=True)
+        config.sliding_window = None
+        if isinstance(cross, StaticCache):
+            source_length = model_kwargs["encoder_outputs"][0].shape[1]
+            cache.cross_attention_cache = StaticCache(
+                config=config, max_cache_len=source_length, offloading=cross.offloading
+            )
+        else:
+            cache.cross_attention_cache = DynamicCache(config=config, offloading=cross.offloading)
+
+    def _prepare_text_encoder_decoder_kwargs_for_generation(self, inputs_tensor, model_kwargs, *args, **kwargs):
+        """``generate`` hands the encoder every model keyword argument when the encoder's forward takes ``**kwargs``
+        (ours does, for Transformers' model keyword arguments), ``logits_to_keep`` included, which the encoder
+        would refuse: hand it only what it takes, and keep the rest for the decoding steps."""
+        takes = (set(inspect.signature(self.encoder.forward).parameters) | MODEL_KWARGS) - {"cache", "past_key_values"}
+        held = {name: model_kwargs.pop(name) for name in list(model_kwargs) if name not in takes}
+        model_kwargs = super()._prepare_text_encoder_decoder_kwargs_for_generation(
+            inputs_tensor, model_kwargs, *args, **kwargs
+        )
+        return {**model_kwargs, **held}

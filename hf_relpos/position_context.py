@@ -1,0 +1,301 @@
+"""Where one forward's queries and keys sit, and what they may attend to: the cache geometry read once
+(``cache_offsets``), the composed mask functions rendered by Transformers' ``sdpa_mask`` (``self_attention_mask``),
+and ``PositionContext``, built once per forward and handed to every layer.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from transformers.masking_utils import (
+    and_masks,
+    bidirectional_mask_function,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
+    sdpa_mask,
+    sliding_window_bidirectional_overlay,
+    sliding_window_overlay,
+)
+
+from .configuration_relpos import RelPosConfig
+
+
+def cache_offsets(cache, length: int) -> tuple:
+    """``(q_offset, kv_length, kv_offset)``: queries at ``q_offset + i``, keys at ``kv_offset + j`` for
+    ``j < kv_length``, read from the cache before any layer updates it (a static cache's are tensors, read
+    once in eager calls and kept as tensors in a traced graph)."""
+    if cache is None:
+        return 0, length, 0
+    q_offset = cache.get_query_offset(0)
+    kv_length, kv_offset = cache.get_mask_sizes(length, 0)
+    if not torch.compiler.is_compiling():
+        q_offset, kv_length, kv_offset = int(q_offset), int(kv_length), int(kv_offset)
+    return q_offset, kv_length, kv_offset
+
+
+def is_fresh(q_offset, kv_length: int, length: int, mem_length: int) -> bool:
+    """Self-attention of the inputs alone: no past in the cache (nor a static cache's slots), no memory."""
+    return isinstance(q_offset, int) and q_offset == 0 and kv_length == length and not mem_length
+
+
+def unpadded(attention_mask: Optional[torch.Tensor]) -> bool:
+    """No padding known: no mask, or a 2-D mask of ones (read in eager calls only: a traced graph cannot)."""
+    if attention_mask is None:
+        return True
+    return attention_mask.dim() == 2 and not torch.compiler.is_compiling() and bool(attention_mask.all())
+
+
+def packed_documents(packed: dict, position_ids, attention_mask, fresh: bool, batch: int, length: int, device):
+    """``[B, Q]`` document index of each token of packed rows, or None when the rows are not packed.
+
+    From ``cu_seq_lens_q`` or ``seq_idx`` (``DataCollatorWithFlattening``; checked by the model), else, as
+    Transformers' masks do (``_preprocess_mask_arguments``), from ``position_ids`` that restart
+    (``find_packed_sequence_indices``), and then only in a forward with nothing else to go by: no past and no
+    ``attention_mask`` (generate's position_ids for left padding also restart at each row's first token, and a
+    row of ones is no sign of packing), in eager and traced calls alike.
+    """
+    cu_seq_lens, seq_idx = packed.get("cu_seq_lens_q"), packed.get("seq_idx")
+    if cu_seq_lens is not None:
+        return torch.searchsorted(cu_seq_lens[1:].to(device), torch.arange(length, device=device), right=True)[None]
+    if seq_idx is not None:
+        return seq_idx.to(device)
+    if not fresh or position_ids is None or length < 2 or attention_mask is not None:
+        return None
+    return find_packed_sequence_indices(position_ids.expand(batch, -1))  # None in eager when not packed
+
+
+def self_attention_mask(
+    attention_mask, documents, window, *, one_sided, batch, length, q_offset, kv_length, kv_offset, mem_length, device
+) -> Optional[torch.Tensor]:
+    """What the queries may attend to besides causality: bool ``[B|1, 1, Q, M + K]`` (True = may attend) over
+    the memory, cache and current keys, or None when nothing else is masked.
+
+    Transformers' mask functions (padding, packed documents, a causal ``i - j < W`` or bidirectional
+    ``|i - j| <= W`` window) joined by ``and_masks`` and rendered by its boolean renderer ``sdpa_mask``, for
+    every attention implementation: the schemes merge the mask with their own terms. Own code for what
+    ``create_causal_mask`` / ``create_bidirectional_mask`` do otherwise (the padding rides in ``sdpa_mask``'s
+    ``attention_mask``, its ``padding_mask_function``):
+
+    - causality stays out (``PositionContext.causal``): with nothing else masked the mask is None and the
+      fused causal kernels stay available (``create_causal_mask`` materialises causality under eager and as
+      soon as an extra mask function joins, and for every batch row);
+    - a mask of batch 1 when nothing differs between rows (a window alone), so that a bias merged with it
+      stays ``[1, H, Q, K]``;
+    - Transformer-XL's memory keys precede the cache's positions, which Transformers' masks know nothing
+      of: they are always visible, unless the 2-D mask has columns for them;
+    - a prepared 4-D mask (generate's, for static caches) is taken as it is, a float one read as bool.
+    """
+    prepared = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
+    padding = attention_mask if prepared is None else None
+    if prepared is not None and prepared.dtype != torch.bool:
+        prepared = prepared > torch.finfo(prepared.dtype).min / 2
+    if padding is not None:
+        padding = padding.to(device=device, dtype=torch.bool)
+        covers_memory = mem_length and padding.shape[1] == mem_length + length
+        if not covers_memory and not torch.compiler.is_compiling() and bool(padding.all()):
+            padding = None
+        elif mem_length and not covers_memory:
+            padding = F.pad(padding, (mem_length, 0), value=True)
+    functions = [] if documents is None else [packed_sequence_mask_function(documents)]
+    if window is not None:
+        functions.append(sliding_window_overlay(window) if one_sided else sliding_window_bidirectional_overlay(window))
+    if padding is None and not functions:
+        return prepared
+    mask = sdpa_mask(
+        batch_size=batch if padding is not None or documents is not None else 1,
+        q_length=length,
+        kv_length=mem_length + kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=and_masks(bidirectional_mask_function, *functions),
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+        device=device,
+    )
+    return mask if prepared is None else prepared & mask
+
+
+@dataclass
+class PositionContext:
+    """Where the queries and keys of one forward sit, computed once and shared by all layers.
+
+    Queries sit at absolute positions ``q_offset + i`` (or ``position_ids``); the ``key_length`` keys
+    the layers attend to (memory + cache + current) start at absolute position ``q_offset - past_length``.
+    ``mask`` is a bool ``[B, 1, Q, K]`` (True = may attend) or None when nothing is masked beyond
+    causality, which ``causal`` states; ``alive`` is ``[B, 1, Q, 1]``, the query rows with a key left
+    (None: all of them). ``attn_implementation`` is ``"eager"`` whenever the layers must return
+    their attention probabilities (``output_attentions``), which only a materialising path has.
+    """
+
+    query_length: int
+    key_length: int
+    q_offset: int
+    past_length: int
+    causal: bool
+    mask: Optional[torch.Tensor]
+    position_ids: torch.Tensor
+    attn_implementation: str
+    output_attentions: bool
+    alive: Optional[torch.Tensor]
+    # The model-level scheme, referenced here rather than passed to layers as a module argument: device
+    # hooks (accelerate) would otherwise move its weights on every call.
+    scheme: nn.Module  # the model's PositionScheme (position_schemes.py)
+    # ``mask`` as bool ``[B, 1, 1, K]`` when it masks keys alone (padding of a fresh forward), else None:
+    # the fused paths (band decomposition, per-key ALiBi) take such a mask without a [Q, K] tensor.
+    key_mask: Optional[torch.Tensor] = None
+    # Explicit positions (a continuous-batching step, ``from_paged``): ``[Q, K]`` long, each key's position minus
+    # each query's, which every scheme's term reads instead of the band ``past_length + i``; ``mask`` then holds
+    # causality too. None otherwise.
+    relative_position: Optional[torch.Tensor] = None
+    # The paged cache's keyword arguments for ``cache.update`` (read/write indices, cu_seq_lens_k, ...), or None.
+    paged: Optional[dict] = None
+
+    @classmethod
+    def from_inputs(
+        cls, config: RelPosConfig, scheme: nn.Module, inputs_embeds: torch.Tensor, attention_mask, position_ids,
+        cache, mems, packed: dict, attn_implementation: str, output_attentions: bool,
+    ) -> "PositionContext":
+        """The context of one forward over checked inputs: offsets read from the cache before any layer updates it,
+        packed documents, position ids, the mask and the live query rows. ``packed`` holds the
+        ``cu_seq_lens_q`` / ``seq_idx`` keyword arguments (None when absent)."""
+        batch, length = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+        mem_length = mems[0].shape[1] if mems is not None else 0
+        q_offset, kv_length, kv_offset = cache_offsets(cache, length)
+        fresh = is_fresh(q_offset, kv_length, length, mem_length)
+        documents = packed_documents(packed, position_ids, attention_mask, fresh, batch, length, device)
+        if position_ids is None and documents is not None:  # packed by cu_seq_lens_q / seq_idx alone
+            token = torch.arange(length, device=device).expand(batch, -1)
+            first = torch.ones_like(documents, dtype=torch.bool)
+            first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+            position_ids = token - torch.where(first, token, 0).cummax(-1).values
+        elif position_ids is None:
+            position_ids = (torch.arange(length, device=device) + q_offset)[None]
+        scheme.check_positions(position_ids)
+        window = config.sliding_window if mems is None else None
+        mask = self_attention_mask(
+            attention_mask, documents, window, one_sided=config.is_decoder or config.memory_window is not None,
+            batch=batch, length=length, q_offset=q_offset, kv_length=kv_length, kv_offset=kv_offset,
+            mem_length=mem_length, device=device,
+        )
+        ctx = cls(
+            query_length=length,
+            key_length=mem_length + kv_length,
+            q_offset=q_offset,
+            past_length=mem_length + q_offset - kv_offset,
+            causal=config.is_decoder,
+            mask=mask,
+            position_ids=position_ids,
+            # Attention probabilities exist only on the materialising (eager) paths: take them when asked.
+            attn_implementation="eager" if output_attentions else attn_implementation,
+            output_attentions=output_attentions,
+            alive=None,
+            scheme=scheme,
+        )
+        ctx.alive = ctx.live_rows(device)
+        if mask is not None and documents is None and attention_mask is not None and config.sliding_window is None:
+            if fresh and attention_mask.dim() == 2:
+                ctx.key_mask = attention_mask.bool()[:, None, None, :]
+        return ctx
+
+    @classmethod
+    def from_paged(
+        cls, config: RelPosConfig, scheme: nn.Module, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+        cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, key_length: int, paged: dict,
+        attn_implementation: str, output_attentions: bool,
+    ) -> "PositionContext":
+        """The context of one continuous-batching step (checked by the model): requests packed in one row
+        (``cu_seq_lens_q``), each query at its own request's position (``position_ids``), and the ``key_length``
+        keys the paged cache hands back, each request's (past and new, in order) in its ``cu_seq_lens_k`` segment,
+        the last one at its last query's position (a sliding window's cache keeps only the latest). Each pair gets
+        its own distance; keys of another request, later keys and keys beyond ``sliding_window`` are masked."""
+        device = inputs_embeds.device
+        length = inputs_embeds.shape[1]
+        cu_q = cu_seq_lens_q.to(device=device, dtype=torch.long)
+        cu_k = cu_seq_lens_k.to(device=device, dtype=torch.long)
+        positions = position_ids.to(device=device, dtype=torch.long)
+        query_request = torch.searchsorted(cu_q[1:], torch.arange(length, device=device), right=True)
+        key = torch.arange(key_length, device=device)
+        key_request = torch.searchsorted(cu_k[1:], key, right=True)  # past the last segment: no request's
+        last_query = positions[0, (cu_q[1:] - 1).clamp(0, length - 1)]  # [R]: each request's last query position
+        segment_end = torch.cat([cu_k[1:], cu_k[-1:]])  # a key past the segments reads the sentinel, masked
+        key_positions = last_query[key_request.clamp(max=last_query.numel() - 1)] - (segment_end[key_request] - 1 - key)
+        relative = key_positions[None, :] - positions[0][:, None]  # [Q, K]
+        mask = (query_request[:, None] == key_request[None, :]) & (relative <= 0)
+        if config.sliding_window is not None:
+            mask &= relative > -config.sliding_window
+        scheme.check_positions(positions)
+        ctx = cls(
+            query_length=length,
+            key_length=key_length,
+            q_offset=0,
+            past_length=0,
+            causal=True,
+            mask=mask[None, None],
+            position_ids=positions,
+            attn_implementation="eager" if output_attentions else attn_implementation,
+            output_attentions=output_attentions,
+            alive=None,
+            scheme=scheme,
+            relative_position=relative,
+            paged=paged,
+        )
+        ctx.alive = ctx.live_rows(device)
+        return ctx
+
+    def to(self, device, non_blocking: bool = False) -> "PositionContext":
+        """Called by accelerate's hooks when a layer sits on another device."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive),
+                       key_mask=move(self.key_mask), relative_position=move(self.relative_position))
+
+    @property
+    def traced_offset(self) -> bool:
+        """The offsets are a static cache's tensors, traced by ``torch.compile``: their values are unknown
+        on the host, so every branch that depends on them takes the path that is right for any value."""
+        return isinstance(self.past_length, torch.Tensor)
+
+    @property
+    def keys_end_at_query(self) -> bool:
+        """The keys end at the last query (every key slot filled); not so in a StaticCache, whose unfilled
+        slots follow the queries (and a traced offset may leave any number of them)."""
+        if self.relative_position is not None:
+            return False
+        return not self.traced_offset and self.key_length == self.past_length + self.query_length
+
+    @property
+    def keys_only(self) -> bool:
+        """Nothing is masked beyond causality but keys (padding): self-attention of a fresh forward."""
+        fresh = not self.traced_offset and self.past_length == 0 and self.key_length == self.query_length
+        return fresh and self.relative_position is None and (self.mask is None or self.key_mask is not None)
+
+    def causal_mask(self, device) -> torch.Tensor:
+        """[1, 1, Q, K] bool: key j is at or before the query's position."""
+        i = torch.arange(self.query_length, device=device)[:, None] + self.past_length
+        j = torch.arange(self.key_length, device=device)[None, :]
+        return (j <= i)[None, None]
+
+    def full_mask(self, device) -> Optional[torch.Tensor]:
+        """The bool mask including causality (and a static cache's unfilled slots), or None if nothing is masked."""
+        mask = self.mask
+        if self.relative_position is not None:  # explicit positions: the mask holds causality already
+            return mask
+        if self.causal:
+            causal = self.causal_mask(device)
+            mask = causal if mask is None else mask & causal
+        elif not self.keys_end_at_query:
+            filled = (torch.arange(self.key_length, device=device) < self.past_length + self.query_length)
+            mask = filled[None, None, None] if mask is None else mask & filled
+        return mask
+
+    def live_rows(self, device) -> Optional[torch.Tensor]:
+        """``[B, 1, Q, 1]`` bool: query rows with at least one visible key, or None when every row has one."""
+        if self.mask is None:  # causality and a static cache's fill always leave a query its own key
+            return None
+        alive = self.full_mask(device).any(dim=-1, keepdim=True)
+        if torch.compiler.is_compiling():  # no host sync in a traced graph: keep the (cheap) mask
+            return alive
+        return None if bool(alive.all()) else alive
