@@ -100,17 +100,23 @@ def model_name(text: str) -> str:
     return text
 
 
-def _versions_report() -> str:
-    """``hf_relpos/versions.py``'s report, read as a file: importing the package would import torch."""
+def _package_file(path: str, name: str):
+    """A standard-library-only module of the installed hf_relpos, executed from its file: importing the package
+    would import torch."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.find_spec("hf_relpos")
-    path = Path(spec.submodule_search_locations[0]) / "versions.py"
-    module_spec = importlib.util.spec_from_file_location("_hf_relpos_versions", path)
+    module_spec = importlib.util.spec_from_file_location(name, Path(spec.submodule_search_locations[0]) / path)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # a dataclass reads its module's namespace while it is made
     module_spec.loader.exec_module(module)
-    return module.report()
+    return module
+
+
+def _versions_report() -> str:
+    """``hf_relpos/versions.py``'s report."""
+    return _package_file("versions.py", "_hf_relpos_versions").report()
 
 
 class _VersionAction(argparse.Action):
@@ -140,30 +146,33 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _add_training_arguments(p, steps: int, seq_len: int) -> None:
-    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size")
-    p.add_argument("--seq-len", type=sequence_length, default=seq_len, help=f"training sequence length L (tokens, >= {MIN_SEQ_LEN})")
-    p.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps")
-    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per optimizer step")
-    p.add_argument("--learning-rate", type=positive_float, default=2e-3, help="peak AdamW learning rate (cosine schedule)")
-    p.add_argument("--vocab-size", type=vocab_size, default=2048, help=f"BPE vocabulary trained on the corpus (>= {MIN_VOCAB})")
-    p.add_argument("--mem-len", type=non_negative_int, default=None,
-                   help="Transformer-XL memory in tokens (transformer_xl only; default: the sequence length)")
-    p.add_argument("--seed", type=seed_number, default=0, help=f"random seed (model init, data order; 0 to {MAX_SEED})")
-    text = p.add_mutually_exclusive_group()  # one line naming both flags when both are given
-    text.add_argument("--train-file", nargs="+", default=None, metavar="PATH",
-                      help="your own UTF-8 text files instead of the embedded corpus (Python's bundled docs)")
-    text.add_argument("--corpus", choices=CORPORA, default=None,
-                      help="the embedded corpus: docs (Python's bundled documentation, the default) or stdlib (the "
-                           "standard library's source, split by module); not with --train-file")
-    p.add_argument("--max-train-bytes", type=positive_int, default=MAX_TEXT_BYTES, metavar="BYTES",
-                   help="refuse --train-file text larger than this (tokenizing takes ~200 bytes of memory per byte)")
-    p.add_argument("--eval-tokens", type=positive_int, default=None, help="cap on held-out tokens evaluated (default: all)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the model in --output-dir (earlier checkpoints are kept, renamed)")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                   help="continue from the last checkpoint (or the one given)")
-    p.add_argument("--quiet", action="store_true", help="print only the final line (and errors)")
+def _train_options():
+    """``hf_relpos/commands/options.py``'s ``TrainOptions``, read as a file: importing the package would import torch."""
+    return _package_file("commands/options.py", "_hf_relpos_options").TrainOptions
+
+
+def _add_training_arguments(p, command: str, **defaults) -> None:
+    """The training flags, one per field of ``TrainOptions`` that carries ``flag(...)`` (its name, default and
+    help; ``defaults`` are the command's own, as ``compare``'s 500 steps); fields of ``command="train"`` only for
+    ``train``."""
+    import dataclasses
+
+    groups = {}
+    for field in dataclasses.fields(_train_options()):
+        spec = dict(field.metadata.get("flag") or {})
+        if not spec or spec.pop("command", command) != command:
+            continue
+        type_name, group, cli_default = spec.pop("type_name"), spec.pop("group", None), spec.pop("cli_default", None)
+        if type_name is not None:
+            spec["type"] = globals()[type_name]
+        if "choices" in spec:
+            spec["choices"] = globals()[spec["choices"]]
+        default = globals()[cli_default] if cli_default else field.default
+        spec["help"] = spec["help"].format(**globals())
+        if group is not None and group not in groups:
+            groups[group] = p.add_mutually_exclusive_group()  # one line naming both flags when both are given
+        target = p if group is None else groups[group]
+        target.add_argument("--" + field.name.replace("_", "-"), default=defaults.get(field.name, default), **spec)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -181,10 +190,16 @@ def parser() -> argparse.ArgumentParser:
     def command(name, help):
         return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Formatter)
 
+    _add_model_commands(command)
+    _add_experiment_commands(command)
+    _add_tool_commands(command)
+    return root
+
+
+def _add_model_commands(command) -> None:
+    """train, generate, eval, validate-t5, convert-t5."""
     p = command("train", "train one scheme and write a Hub-ready folder")
-    p.add_argument("--position-encoding", choices=SCHEMES, default="t5_bias", help="the position scheme")
-    p.add_argument("--output-dir", default="runs/model", help="the model folder (checkpoints go to <output-dir>-checkpoints)")
-    _add_training_arguments(p, steps=400, seq_len=128)
+    _add_training_arguments(p, "train")
 
     p = command("generate", "generate text from a trained folder (streams to the terminal)")
     p.add_argument("folder", help="a folder written by `hf-relpos train`")
@@ -217,6 +232,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("out_folder", help="where the converted model, its code and its model card go")
     p.add_argument("--overwrite", action="store_true", help="replace an hf-relpos model already in OUT_FOLDER")
 
+
+def _add_experiment_commands(command) -> None:
+    """compare, lengthgen."""
     p = command("compare", "the length-extrapolation experiment over every scheme")
     p.add_argument("--output-dir", default=None,
                    help="where the table (md, json), plot and models go (default: a new runs/compare-<date>-<time>)")
@@ -227,7 +245,7 @@ def parser() -> argparse.ArgumentParser:
                    help="evaluation lengths as multiples of L")
     p.add_argument("--sliding", action="store_true",
                    help="evaluate with sliding windows moving by L tokens (default: non-overlapping segments)")
-    _add_training_arguments(p, steps=500, seq_len=128)
+    _add_training_arguments(p, "compare", steps=500)
 
     p = command("lengthgen", "the length-generalisation protocol of Kazemnejad et al. 2023 on synthetic tasks")
     p.add_argument("--output-dir", default=None,
@@ -251,6 +269,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="train every run again and replace the table in --output-dir")
     p.add_argument("--quiet", action="store_true", help="print only the final line (and errors)")
 
+
+def _add_tool_commands(command) -> None:
+    """inspect, export, serve."""
     p = command("inspect", "figures of what a trained folder learned about position (PNG)")
     p.add_argument("folder", help="a folder written by `hf-relpos train`")
     p.add_argument("--prompt", default=INSPECT_PROMPT, help="the text whose attention maps are drawn")
@@ -285,7 +306,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", choices=SERVE_DTYPES, default="auto", help="the weights' dtype (auto: as saved)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="uvicorn's log level")
-    return root
 
 
 def _given(argv: list, command: str) -> list:

@@ -5,6 +5,7 @@ In-process (``hf_relpos_cli.main``) with tiny settings, except where the console
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -728,6 +729,31 @@ def test_cli_constants_match_the_package():
     assert hf_relpos_cli.SCHEMES == tuple(hf_relpos.POSITION_ENCODINGS)
     assert hf_relpos_cli.MIN_VOCAB == 256 + len(SPECIAL_TOKENS)
     assert sorted(hf_relpos_cli.PRESET_NAMES) == sorted(PRESETS)
+
+
+def test_training_flags_are_the_train_options_fields():
+    """The parser's training flags are made from ``TrainOptions``' fields (one copy of each name and default):
+    ``train`` takes every field marked as a flag, with the field's default (or its ``cli_default``), and no
+    training flag that is not a field; ``compare`` the same but its own output folder and scheme list."""
+    import dataclasses
+
+    from hf_relpos.commands.options import TrainOptions
+
+    subparsers = next(a for a in hf_relpos_cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flagged = {f.name: f for f in dataclasses.fields(TrainOptions) if "flag" in f.metadata}
+    assert flagged, "no TrainOptions field is a flag"
+    for command, own in (("train", set()), ("compare", {"output_dir", "schemes", "quick", "seeds", "factors", "sliding"})):
+        actions = {a.dest: a for a in subparsers.choices[command]._actions if a.dest not in ("help", "debug")}
+        expected = {name for name, f in flagged.items() if f.metadata["flag"].get("command", command) == command}
+        assert set(actions) - own == expected, command
+        for name in expected:
+            field, action = flagged[name], actions[name]
+            cli_default = field.metadata["flag"].get("cli_default")
+            default = getattr(hf_relpos_cli, cli_default) if cli_default else field.default
+            if command == "compare" and name == "steps":
+                default = 500  # compare's own
+            assert action.default == default, (command, name, action.default, default)
+            assert action.option_strings == ["--" + name.replace("_", "-")]
 
 
 def test_help_parses_in_well_under_half_a_second():

@@ -16,7 +16,7 @@ import shlex
 import signal
 import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 from .common import (
     RUN_FILE, TIME_FILE, RemoveIfEmptyOnFailure, check_writable, checkpoints_dir, evaluation_name, last_checkpoint,
@@ -24,6 +24,7 @@ from .common import (
     staging_dir, training_length, writing,
 )
 from .errors import Interrupted, UserError
+from .options import TrainOptions
 
 # The model sizes of ``--preset`` (hf_relpos_cli.PRESET_NAMES restates the names).
 PRESETS = {
@@ -38,40 +39,6 @@ RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len"
 # Recorded too, and taken from the checkpoint by a resume that does not give them (a resume may train longer;
 # the --train-file limit goes with the files it admitted).
 RECORDED_OPTIONS = RUN_OPTIONS + ("steps", "eval_tokens", "max_train_bytes")
-
-
-@dataclasses.dataclass
-class TrainOptions:
-    """What ``train`` does: the flags of ``hf-relpos train`` (same names and defaults), and two that ``compare``
-    sets for the runs it trains (``eval_factors``, ``sliding``)."""
-
-    output_dir: str = "runs/model"
-    position_encoding: str = "t5_bias"
-    preset: str = "tiny"
-    seq_len: int = 128
-    steps: int = 400
-    batch_size: int = 16
-    learning_rate: float = 2e-3
-    vocab_size: int = 2048
-    mem_len: Optional[int] = None  # Transformer-XL's memory (None: the sequence length)
-    seed: int = 0
-    train_file: Optional[Sequence[str]] = None  # None: the embedded corpus
-    corpus: Optional[str] = None  # the embedded corpus (data.CORPORA; None: "docs" unless train_file)
-    max_train_bytes: Optional[int] = None  # the most --train-file text read (None: data.MAX_TEXT_BYTES)
-    eval_tokens: Optional[int] = None  # cap on held-out tokens evaluated (None: all)
-    overwrite: bool = False
-    resume: Union[bool, str, None] = None  # True: the last checkpoint; a path: that checkpoint
-    quiet: bool = False
-    eval_factors: Sequence[int] = (1, 2, 4)  # test perplexity at seq_len × each
-    sliding: bool = False  # evaluate with windows moving by seq_len tokens (compare --sliding)
-    argv: Sequence[str] = ()  # the command line (without "hf-relpos"), recorded and used in the resume hint
-    # The options the command line gave (None: all of them); a resume takes the others from its checkpoint.
-    given: Optional[Sequence[str]] = None
-
-    @classmethod
-    def from_namespace(cls, args) -> "TrainOptions":
-        """The options of a parsed ``train`` command line (attributes the command does not have keep defaults)."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
 def train_model(options: TrainOptions) -> dict:
@@ -364,18 +331,34 @@ def end_process_group() -> None:
 
 
 def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dict:
-    import torch
-    from transformers import GenerationConfig, Trainer, TrainingArguments, set_seed
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    from ..data import DEFAULT_EVAL_TOKENS, Chunks
-    from ..memory import MemoryTrainer, OrderedSegments, segment_perplexity
-    from ..modeling_relpos import RelPosForCausalLM
-    from .model_card import write_model_card
-
+    """Train a model on the options' data (resuming ``resume_from``), evaluate it and write its folder ``out``;
+    returns the run's record (empty on a torchrun rank other than 0)."""
     if resume_from is not None:
         _check_resume_options(resume_from, _run_options(options))
+    from transformers import set_seed
+
     set_seed(options.seed)
+    tokenizer, streams, corpus_description, model = _data_and_model(options, resume_from)
+    with_memory = model.config.position_encoding == "transformer_xl" and model.config.mem_len > 0
+    hint = f" and resume with: {resume_command(options.argv)} (the last complete checkpoint is kept)"
+    trainer, book, divergence = _trainer(options, out, model, streams, with_memory, hint, resume_from)
+    _fit(trainer, book, options, resume_from)
+    _check_finished(trainer, book, divergence, options, out)
+    if not trainer.is_world_process_zero():  # under torchrun, rank 0 alone writes the folder
+        return {}
+    summary = _evaluate(options, model, tokenizer, streams, corpus_description, trainer, book, with_memory)
+    _save(out, hint, model, tokenizer, summary)
+    line = f"Saved to {out}/ — test perplexity at length {options.seq_len}: {summary['test_ppl']:.2f}"
+    if with_memory:
+        line += f" ({summary['test_ppl_with_memory']:.2f} with memory {model.config.mem_len})"
+    print(line)
+    return summary
+
+
+def _data_and_model(options: TrainOptions, resume_from: Optional[Path]):
+    """The tokenizer, the token streams of each split, the corpus's description and a new model sized for them."""
+    from ..modeling_relpos import RelPosForCausalLM
+
     tokenizer, streams, corpus_description = load_data(options)
     shortest = min(("train", "validation", "test"), key=lambda part: streams[part].numel())
     if streams[shortest].numel() <= options.seq_len:
@@ -391,20 +374,16 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
                 f"--resume: {resume_from} holds a model of {saved_vocab} tokens, but this command's data gives a "
                 f"vocabulary of {config.vocab_size}: the training text changed since; resume with the original text"
             )
-    model = RelPosForCausalLM(config)
+    return tokenizer, streams, corpus_description, RelPosForCausalLM(config)
 
-    with_memory = config.position_encoding == "transformer_xl" and config.mem_len > 0
-    if with_memory:
-        train_set = OrderedSegments(streams["train"], options.batch_size, options.seq_len)
-        eval_set = OrderedSegments(streams["validation"][: 64 * options.seq_len], options.batch_size, options.seq_len)
-        trainer_class = MemoryTrainer
-    else:
-        train_set = Chunks(streams["train"], options.seq_len)
-        eval_set = Chunks(streams["validation"], options.seq_len, limit=64)
-        trainer_class = Trainer
+
+def _training_arguments(options: TrainOptions, out: Path, with_memory: bool):
+    import torch
+    from transformers import TrainingArguments
+
     eval_steps = max(1, options.steps // 4)
     distributed_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-    training_args = TrainingArguments(
+    return TrainingArguments(
         output_dir=str(checkpoints_dir(out)),  # keeps the model folder Hub-ready
         max_steps=options.steps,
         per_device_train_batch_size=options.batch_size,
@@ -430,7 +409,27 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
         use_cpu=distributed_cpu,
         ddp_backend="gloo" if distributed_cpu else None,
     )
-    hint = f" and resume with: {resume_command(options.argv)} (the last complete checkpoint is kept)"
+
+
+def _trainer(options: TrainOptions, out: Path, model, streams: dict, with_memory: bool, hint: str,
+             resume_from: Optional[Path]):
+    """Trainer (MemoryTrainer for Transformer-XL's memory) with whole checkpoints and this command's callbacks:
+    the progress bar, the time record and Ctrl-C (``_Bookkeeping``), and the divergence stop (last)."""
+    from transformers import Trainer
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from ..data import Chunks
+    from ..memory import MemoryTrainer, OrderedSegments
+
+    if with_memory:
+        train_set = OrderedSegments(streams["train"], options.batch_size, options.seq_len)
+        eval_set = OrderedSegments(streams["validation"][: 64 * options.seq_len], options.batch_size, options.seq_len)
+        trainer_class = MemoryTrainer
+    else:
+        train_set = Chunks(streams["train"], options.seq_len)
+        eval_set = Chunks(streams["validation"], options.seq_len, limit=64)
+        trainer_class = Trainer
+    training_args = _training_arguments(options, out, with_memory)
     book = None
     afresh = [a for i, a in enumerate(options.argv) if not (a == "--resume" or a.startswith("--resume=") or (
         i and options.argv[i - 1] == "--resume" and not a.startswith("-")))]  # --resume and its CHECKPOINT
@@ -449,7 +448,11 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     trainer.add_callback(book)
     divergence = _Divergence()
     trainer.add_callback(divergence)  # last: it overrides what the others asked of this step
+    return trainer, book, divergence
 
+
+def _fit(trainer, book, options: TrainOptions, resume_from: Optional[Path]) -> None:
+    """Train (or, for a finished run's checkpoint, load it as it was), a first Ctrl-C asking for a checkpoint."""
     def on_interrupt(signum, frame):
         if book.interrupted:  # a second Ctrl-C: stop now, without a checkpoint
             raise KeyboardInterrupt
@@ -469,7 +472,10 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     finally:
         if handler is not None:
             signal.signal(signal.SIGINT, handler)
-    seconds = book.seconds()
+
+
+def _check_finished(trainer, book, divergence, options: TrainOptions, out: Path) -> None:
+    """One line for a run that diverged (naming the last good checkpoint) or was interrupted (how to resume)."""
     if divergence.step is not None:
         last = last_checkpoint(checkpoints_dir(out))
         kept = f"the last good checkpoint is {last}" if last is not None else "no checkpoint was saved before"
@@ -483,9 +489,19 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
             f"interrupted at step {trainer.state.global_step} of {options.steps}; checkpoint saved in {checkpoint}.",
             resume_command(options.argv),
         )
-    if not trainer.is_world_process_zero():  # under torchrun, rank 0 alone writes the folder
-        return {}
 
+
+def _evaluate(options: TrainOptions, model, tokenizer, streams: dict, corpus_description: str, trainer, book,
+              with_memory: bool) -> dict:
+    """The test perplexity at each evaluation length, and the run's record (``RUN_FILE``)."""
+    import torch
+    from transformers import GenerationConfig
+
+    from ..data import DEFAULT_EVAL_TOKENS
+    from ..memory import segment_perplexity
+
+    seconds = book.seconds()
+    config = model.config
     model.generation_config = GenerationConfig(  # use_cache: ExecuTorch's recipe refuses a folder that leaves it unset
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_new_tokens=64, use_cache=True
     )
@@ -502,7 +518,7 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
         "mem_len": config.mem_len,
         "steps": options.steps,
         "batch_size": options.batch_size,
-        "processes": training_args.world_size,
+        "processes": trainer.args.world_size,
         "learning_rate": options.learning_rate,
         "seed": options.seed,
         "corpus": corpus_description,
@@ -523,8 +539,14 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
     }
     if with_memory:
         summary["test_ppl_with_memory"] = segment_perplexity(model, test, options.seq_len, max_tokens=max_tokens)
-    # The whole folder is written beside --output-dir, then renamed into place: the folder is always the old
-    # model or the new one (an interrupted swap is finished by the next run: common.recover_interrupted_save).
+    return summary
+
+
+def _save(out: Path, hint: str, model, tokenizer, summary: dict) -> None:
+    """The whole folder written beside ``out``, then renamed into place: the folder is always the old model or the
+    new one (an interrupted swap is finished by the next run: common.recover_interrupted_save)."""
+    from .model_card import write_model_card
+
     staged = staging_dir(out)
     with writing(out, hint):
         if staged.exists():
@@ -537,11 +559,6 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
         (staged / RUN_FILE).write_text(json.dumps(summary, indent=2))
         write_model_card(staged, summary)
         replace_folder(staged, out)
-    line = f"Saved to {out}/ — test perplexity at length {options.seq_len}: {summary['test_ppl']:.2f}"
-    if with_memory:
-        line += f" ({summary['test_ppl_with_memory']:.2f} with memory {config.mem_len})"
-    print(line)
-    return summary
 
 
 def _global_step(checkpoint: Path) -> int:
