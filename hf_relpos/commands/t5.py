@@ -177,7 +177,7 @@ def _check_t5_fits(src: Path, config, weights: list) -> None:
     from transformers import T5ForConditionalGeneration
     from transformers.modeling_utils import load_state_dict
 
-    from ..modeling_relpos import MISSING_VALUES_FLOOR
+    from ..loading_relpos import MISSING_VALUES_FLOOR
 
     shapes = {}
     for file in weights:
