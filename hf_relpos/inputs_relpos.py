@@ -6,6 +6,7 @@ on the host runs in eager calls only (``torch.compiler.is_compiling()``), so a t
 """
 
 import warnings
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -15,7 +16,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils.generic import TransformersKwargs
 
-from .position_context import cache_offsets, is_fresh, unpadded
+from .position_context import Geometry, read_cache, unpadded
 from .position_schemes import POSITION_SCHEMES
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -110,26 +111,31 @@ def one_cache(cache: Optional[Cache], past_key_values: Optional[Cache]) -> Optio
 def check_inputs(
     model, input_ids, inputs_embeds, attention_mask, position_ids, cache, mems, encoder_hidden_states,
     encoder_attention_mask, kwargs,
-) -> Optional[tuple]:
+) -> Geometry:
     """Every check of ``forward``'s arguments, in the order they are read; a host read of a tensor's values
-    runs in eager calls only (``torch.compiler.is_compiling()``), so a traced graph keeps none. A
-    continuous-batching step returns what ``_check_paged`` does (None otherwise)."""
+    runs in eager calls only (``torch.compiler.is_compiling()``), so a traced graph keeps none. Returns the
+    forward's ``Geometry``: the cache read once (``read_cache``), the memory's length, or a continuous-batching
+    step's ``paged`` arguments."""
     refuse_unknown_kwargs(type(model).__name__, kwargs, MODEL_KWARGS | PAGED_KWARGS)
     paged = isinstance(cache, PagedAttentionCache)
     _check_model_kwargs(model, kwargs, paged)
     _check_setup(model, cache)
     batch, length = _check_tokens(model, input_ids, inputs_embeds)
     if paged:
-        return _check_paged(model, cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, batch, length)
+        step = _check_paged(model, cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, batch, length)
+        return Geometry(batch, length, kv_length=step[2], paged=step)
     given = sorted(PAGED_KWARGS & {name for name, value in kwargs.items() if value is not None})
     if given:
         raise ValueError(
             f"{', '.join(given)}: continuous batching's paged-cache arguments need its PagedAttentionCache as cache"
         )
     self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
-    past = _check_cache(model, self_cache, batch, length)
-    mem_length = _check_mems(model, mems, self_cache, past, batch)
-    _check_mask(model, attention_mask, self_cache, mems, batch, length, past, mem_length)
+    geometry = _check_cache(model, self_cache, batch, length)
+    # The tokens a cache holds, for checks that read them on the host: unknown in a traced graph (a static cache's
+    # tensor).
+    past = None if torch.compiler.is_compiling() and self_cache is not None else geometry.q_offset
+    geometry = replace(geometry, mem_length=_check_mems(model, mems, self_cache, past, batch))
+    _check_mask(model, attention_mask, geometry, mems, past)
     if position_ids is not None and (
         position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[-1] != length
     ):
@@ -137,7 +143,8 @@ def check_inputs(
             f"position_ids must be [batch={batch} (or 1), seq_len={length}], got shape {tuple(position_ids.shape)}"
         )
     _check_encoder(model, encoder_hidden_states, encoder_attention_mask, batch)
-    _check_packing(model, kwargs, attention_mask, self_cache, batch, length, mem_length)
+    _check_packing(model, kwargs, attention_mask, geometry)
+    return geometry
 
 def _check_model_kwargs(model, kwargs: dict, paged: bool = False) -> None:
     """Transformers' model keyword arguments that these models cannot honour in every value: refused when
@@ -218,30 +225,28 @@ def _check_tokens(model, input_ids, inputs_embeds) -> tuple[int, int]:
         raise ValueError(f"{what} must hold at least one sequence of at least one token, got batch={batch}, seq_len={length}")
     return batch, length
 
-def _check_cache(model, cache, batch: int, length: int) -> Optional[int]:
-    """A Transformers cache of this configuration with room for ``length`` more tokens: the tokens it holds
-    (None in a traced graph, where a static cache's length is a tensor; 0 without a cache)."""
+def _check_cache(model, cache, batch: int, length: int) -> Geometry:
+    """A Transformers cache of this configuration with room for ``length`` more tokens; returns the forward's
+    geometry as read from it (``read_cache``; no cache: nothing precedes)."""
     config = model.config
-    if cache is None:
-        return 0
-    if not isinstance(cache, Cache):
+    if cache is not None and not isinstance(cache, Cache):
         raise ValueError(
             f"cache (past_key_values) must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
         )
-    if len(cache.layers) > config.num_hidden_layers or (
-        len(cache.layers) != config.num_hidden_layers and cache.get_seq_length() > 0
-    ):
+    geometry = read_cache(cache, batch, length)
+    if cache is None:
+        return geometry
+    layers = geometry.cache_layers
+    if layers > config.num_hidden_layers or (layers != config.num_hidden_layers and geometry.q_offset > 0):
         raise ValueError(
-            f"cache (past_key_values) has {len(cache.layers)} layers, this model has num_hidden_layers="
+            f"cache (past_key_values) has {layers} layers, this model has num_hidden_layers="
             f"{config.num_hidden_layers}: the cache comes from a different configuration"
         )
-    layer = cache.layers[0] if len(cache.layers) else None
-    keys = getattr(layer, "keys", None)
-    if layer is not None and getattr(layer, "is_initialized", False) and keys is not None and keys.numel():
+    if geometry.cache_keys is not None:
         # a scheme may carry more channels in its keys (FoX's forget gate)
         channels = POSITION_SCHEMES[config.position_encoding].key_channels
         expected = (batch, config.num_attention_heads, config.head_dim + channels)
-        got = (keys.shape[0], keys.shape[1], keys.shape[3])
+        got = geometry.cache_keys
         if got != expected:
             why = "for this input and configuration"
             if channels and got[2] == config.head_dim:
@@ -255,18 +260,13 @@ def _check_cache(model, cache, batch: int, length: int) -> Optional[int]:
             )
     # A static cache's length is a tensor in a traced graph: checks that read it on the host run in eager
     # calls only, as the token-id range check does.
-    if torch.compiler.is_compiling():
-        return None
-    past = int(cache.get_seq_length())
-    # A StaticCache's full-attention layers hold max_cache_len tokens (a sliding layer rolls over instead).
-    room = [layer.get_max_length() for layer in cache.layers if not getattr(layer, "is_sliding", True)]
-    room = min((r for r in room if r >= 0), default=None)
-    if room is not None and past + length > room:
+    past, room = geometry.q_offset, geometry.room
+    if not torch.compiler.is_compiling() and room is not None and past + length > room:
         raise ValueError(
             f"cache (past_key_values) is a {type(cache).__name__} of max_cache_len={room} holding {past} tokens: "
             f"no room for {length} more; build it with max_cache_len >= {past + length}"
         )
-    return past
+    return geometry
 
 def _check_mems(model, mems, cache, past: Optional[int], batch: int) -> int:
     """Transformer-XL memories, one ``[batch, mem <= mem_len, hidden_size]`` per layer: their length (0 without)."""
@@ -304,11 +304,13 @@ def _check_mems(model, mems, cache, past: Optional[int], batch: int) -> int:
             )
     return mem_length
 
-def _check_mask(model, attention_mask, cache, mems, batch: int, length: int, past: Optional[int], mem_length: int):
-    """A 2-D padding mask over past (and memory) and current tokens, or a prepared 4-D one."""
+def _check_mask(model, attention_mask, geometry: Geometry, mems, past: Optional[int]):
+    """A 2-D padding mask over past (and memory) and current tokens, or a prepared 4-D one (``past``: the tokens the
+    cache holds, None in a traced graph)."""
+    batch, length, mem_length = geometry.batch, geometry.length, geometry.mem_length
     if attention_mask is not None and attention_mask.dim() == 4:
         # A prepared 4-D mask (generate builds one for static caches): [batch, 1, seq_len, keys].
-        keys = cache.get_mask_sizes(length, 0)[0] if cache is not None else length
+        keys = geometry.kv_length
         if tuple(attention_mask.shape) != (batch, 1, length, keys) or mems is not None:
             raise ValueError(
                 f"a 4-D attention_mask must be [batch={batch}, 1, seq_len={length}, keys={keys}] (and cannot be "
@@ -408,10 +410,11 @@ def _check_paged(model, cache, kwargs, attention_mask, position_ids, mems, encod
             )
     return cu_q, cu_k, key_length
 
-def _check_packing(model, kwargs, attention_mask, cache, batch: int, length: int, mem_length: int) -> None:
+def _check_packing(model, kwargs, attention_mask, geometry: Geometry) -> None:
     """``cu_seq_lens_q`` / ``seq_idx`` (packed sequences) describe this row's documents, in a forward with
     nothing else to go by."""
     cu_seq_lens, seq_idx = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx")
+    batch, length = geometry.batch, geometry.length
     if cu_seq_lens is not None:
         if batch != 1 or (not torch.compiler.is_compiling() and int(cu_seq_lens[-1]) != length):
             raise ValueError(
@@ -423,8 +426,7 @@ def _check_packing(model, kwargs, attention_mask, cache, batch: int, length: int
             raise ValueError(f"seq_idx must be [batch={batch}, seq_len={length}], got {tuple(seq_idx.shape)}")
     else:
         return
-    q_offset, kv_length, _ = cache_offsets(cache, length)
-    if not (is_fresh(q_offset, kv_length, length, mem_length) and unpadded(attention_mask)):
+    if not (geometry.fresh and unpadded(attention_mask)):
         raise ValueError(
             "cu_seq_lens_q / seq_idx (packed sequences) need a forward without a cache, mems or an "
             "attention_mask with padding"

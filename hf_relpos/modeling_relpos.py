@@ -2,15 +2,17 @@
 
 Read top to bottom, in the order data flows: outputs, norm and MLP, attention (self-attention through the
 scheme's seam, cross-attention), the decoder layer, the pre-trained base, ``RelPosModel`` and the heads
-(causal LM, sequence classification, encoder-decoder). Beside it: the schemes, ``PositionContext`` and the eager
-attention kernel in ``position_schemes.py``; the input checks and keyword arguments in ``inputs_relpos.py``; the
-generation and continuous-batching hooks (mixins the heads inherit) in ``generation_relpos.py``; the checkpoint
-check before loading and the Auto classes' refusals in ``loading_relpos.py``.
+(causal LM, sequence classification, encoder-decoder). Beside it: the schemes in ``position_schemes.py``,
+``PositionContext`` in ``position_context.py``, the attention backends in ``attention_backends.py``; the input
+checks and keyword arguments in ``inputs_relpos.py``; the generation and continuous-batching hooks (mixins the
+heads inherit) in ``generation_relpos.py``; the checkpoint check before loading and the Auto classes' refusals in
+``loading_relpos.py``.
 
-Positions come from one place: ``RelPosModel.forward`` checks its inputs (``inputs_relpos.check_inputs``), then
-``PositionContext.from_inputs`` reads the query offset and the key range from the cache (and the
-Transformer-XL memory) before the first layer and builds the mask from Transformers' mask functions; the
-forward asks the scheme for its per-forward term once and hands both to every layer.
+Positions come from one place: ``RelPosModel.forward`` checks its inputs (``inputs_relpos.check_inputs``), which
+read the cache once (``position_context.read_cache``) into one record, ``Geometry``: how many tokens precede, the
+key range and the memory's length; ``PositionContext.from_inputs`` builds the positions and the mask from it
+before the first layer, with Transformers' mask functions; the forward asks the scheme for its per-forward term
+once and hands both to every layer.
 """
 
 import math
@@ -437,7 +439,7 @@ class RelPosModel(RelPosPreTrainedModel):
         argument that is neither named here nor one of Transformers' model keyword arguments is a ``TypeError``."""
         config = self.config
         cache = one_cache(cache, past_key_values)
-        paged_step = check_inputs(
+        geometry = check_inputs(
             self, input_ids, inputs_embeds, attention_mask, position_ids, cache, mems, encoder_hidden_states,
             encoder_attention_mask, kwargs,
         )
@@ -455,7 +457,7 @@ class RelPosModel(RelPosPreTrainedModel):
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        ctx = self._position_context(inputs_embeds, attention_mask, position_ids, self_cache, mems, paged_step, kwargs)
+        ctx = self._position_context(inputs_embeds, attention_mask, position_ids, geometry, mems, kwargs)
         encoder_mask = _key_padding_mask(encoder_attention_mask) if cross else None
         hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
         term = self.position(ctx, inputs_embeds.device, hidden_states.dtype)
@@ -478,16 +480,14 @@ class RelPosModel(RelPosPreTrainedModel):
             return BaseModelOutputWithPastAndCrossAttentions(**outputs)
         return RelPosModelOutput(**outputs, mems=new_mems)
 
-    def _position_context(
-        self, inputs_embeds, attention_mask, position_ids, cache, mems, paged_step, kwargs
-    ) -> PositionContext:
-        """Where this forward's queries and keys sit: a continuous-batching step's requests at their own positions
-        (``paged_step``, from ``check_inputs``), else read from the cache and the memory before any layer."""
+    def _position_context(self, inputs_embeds, attention_mask, position_ids, geometry, mems, kwargs) -> PositionContext:
+        """Where this forward's queries and keys sit (``geometry``, from ``check_inputs``): a continuous-batching
+        step's requests at their own positions, else after what the cache and the memory hold."""
         config = self.config
         output_attentions = kwargs.get("output_attentions")
         output_attentions = bool(config.output_attentions if output_attentions is None else output_attentions)
-        if paged_step is not None:
-            cu_q, cu_k, key_length = paged_step
+        if geometry.paged is not None:
+            cu_q, cu_k, key_length = geometry.paged
             update = {name: kwargs.get(name) for name in ("read_index", "write_index", "block_table", "max_length_k")}
             return PositionContext.from_paged(
                 config, self.position, inputs_embeds, position_ids, cu_q, cu_k, key_length,
@@ -495,7 +495,7 @@ class RelPosModel(RelPosPreTrainedModel):
                 attn_implementation=attention_implementation(config), output_attentions=output_attentions,
             )
         return PositionContext.from_inputs(
-            config, self.position, inputs_embeds, attention_mask, position_ids, cache, mems, kwargs,
+            config, self.position, inputs_embeds, attention_mask, position_ids, geometry, mems, kwargs,
             attn_implementation=attention_implementation(config), output_attentions=output_attentions,
         )
 

@@ -1,10 +1,11 @@
 """Where one forward's queries and keys sit, and what they may attend to: the cache geometry read once
-(``cache_offsets``), the composed mask functions rendered by Transformers' ``sdpa_mask`` (``self_attention_mask``),
-and ``PositionContext``, built once per forward and handed to every layer.
+(``read_cache``, the one function that asks the cache) into one record (``Geometry``), the composed mask functions
+rendered by Transformers' ``sdpa_mask`` (``self_attention_mask``), and ``PositionContext``, built once per forward
+from the record and handed to every layer.
 """
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -23,17 +24,57 @@ from transformers.masking_utils import (
 from .configuration_relpos import RelPosConfig
 
 
-def cache_offsets(cache, length: int) -> tuple:
-    """``(q_offset, kv_length, kv_offset)``: queries at ``q_offset + i``, keys at ``kv_offset + j`` for
-    ``j < kv_length``, read from the cache before any layer updates it (a static cache's are tensors, read
-    once in eager calls and kept as tensors in a traced graph)."""
+@dataclass(frozen=True)
+class Geometry:
+    """One forward's tokens and what precedes them, one name per quantity, from the input checks
+    (``inputs_relpos.check_inputs``) to ``PositionContext`` and the layers.
+
+    ``length`` queries at positions ``q_offset + i``; the cache hands the layers ``kv_length`` keys (held and
+    current, or a static cache's slots) at positions ``kv_offset + j``, after ``mem_length`` memory keys
+    (Transformer-XL's). A static cache's offsets are tensors in a traced graph. ``cache_layers``, ``cache_keys``
+    (``[batch, heads, channels]`` of the keys held, None when none are) and ``room`` (tokens a static cache
+    holds at most, None: no bound) are what the checks read of the cache. ``paged``: a continuous-batching
+    step's ``(cu_seq_lens_q, cu_seq_lens_k, key count)`` (``inputs_relpos._check_paged``), whose tokens sit
+    at their own requests' positions instead."""
+
+    batch: int
+    length: int
+    q_offset: Any = 0
+    kv_length: Any = None
+    kv_offset: Any = 0
+    mem_length: int = 0
+    cache_layers: int = 0
+    cache_keys: Optional[tuple] = None
+    room: Optional[int] = None
+    paged: Optional[tuple] = None
+
+    @property
+    def fresh(self) -> bool:
+        """Self-attention of the inputs alone: no past in the cache (nor a static cache's slots), no memory."""
+        return is_fresh(self.q_offset, self.kv_length, self.length, self.mem_length)
+
+
+def read_cache(cache, batch: int, length: int) -> Geometry:
+    """The geometry of ``length`` new tokens after what ``cache`` (a Transformers ``Cache`` or None) holds, read
+    before any layer updates it: the only place the cache is asked. Offsets are read as Python ints in eager
+    calls and kept as they are (a static cache's tensors) in a traced graph."""
     if cache is None:
-        return 0, length, 0
+        return Geometry(batch, length, kv_length=length)
     q_offset = cache.get_query_offset(0)
     kv_length, kv_offset = cache.get_mask_sizes(length, 0)
+    room = None
     if not torch.compiler.is_compiling():
         q_offset, kv_length, kv_offset = int(q_offset), int(kv_length), int(kv_offset)
-    return q_offset, kv_length, kv_offset
+        # A StaticCache's full-attention layers hold max_cache_len tokens (a sliding layer rolls over instead).
+        sizes = [layer.get_max_length() for layer in cache.layers if not getattr(layer, "is_sliding", True)]
+        room = min((size for size in sizes if size >= 0), default=None)
+    layer = cache.layers[0] if len(cache.layers) else None
+    keys = getattr(layer, "keys", None)
+    held = layer is not None and getattr(layer, "is_initialized", False) and keys is not None and keys.numel()
+    return Geometry(
+        batch, length, q_offset=q_offset, kv_length=kv_length, kv_offset=kv_offset, cache_layers=len(cache.layers),
+        cache_keys=(keys.shape[0], keys.shape[1], keys.shape[3]) if held else None, room=room,
+    )
 
 
 def is_fresh(q_offset, kv_length: int, length: int, mem_length: int) -> bool:
@@ -67,11 +108,43 @@ def packed_documents(packed: dict, position_ids, attention_mask, fresh: bool, ba
     return find_packed_sequence_indices(position_ids.expand(batch, -1))  # None in eager when not packed
 
 
+@dataclass(frozen=True)
+class MaskRecipe:
+    """What a rendered mask is made of, for any backend to render its own way (FlexAttention's ``BlockMask``
+    later): Transformers' composed ``function(batch_idx, head_idx, q_idx, kv_idx)`` over queries at positions
+    ``q_offset + i`` (``i < q_length``) and keys at ``kv_offset + j`` (``j < kv_length``), and a 2-D ``padding``
+    of keys indexed by ``kv_idx`` (None: no padding), for ``batch`` rows. Causality is not in it
+    (``PositionContext.causal``)."""
+
+    function: Callable
+    padding: Optional[torch.Tensor]
+    batch: int
+    q_length: int
+    kv_length: int
+    q_offset: Any
+    kv_offset: Any
+
+    def render(self, device) -> torch.Tensor:
+        """bool ``[batch, 1, q_length, kv_length]`` (True = may attend), by Transformers' ``sdpa_mask``."""
+        return sdpa_mask(
+            batch_size=self.batch,
+            q_length=self.q_length,
+            kv_length=self.kv_length,
+            q_offset=self.q_offset,
+            kv_offset=self.kv_offset,
+            mask_function=self.function,
+            attention_mask=self.padding,
+            allow_is_causal_skip=False,
+            device=device,
+        )
+
+
 def self_attention_mask(
     attention_mask, documents, window, *, one_sided, batch, length, q_offset, kv_length, kv_offset, mem_length, device
-) -> Optional[torch.Tensor]:
+) -> tuple[Optional[torch.Tensor], Optional[MaskRecipe]]:
     """What the queries may attend to besides causality: bool ``[B|1, 1, Q, M + K]`` (True = may attend) over
-    the memory, cache and current keys, or None when nothing else is masked.
+    the memory, cache and current keys, or None when nothing else is masked; and the ``MaskRecipe`` it was
+    rendered from (None when nothing is masked or the mask was prepared by the caller).
 
     Transformers' mask functions (padding, packed documents, a causal ``i - j < W`` or bidirectional
     ``|i - j| <= W`` window) joined by ``and_masks`` and rendered by its boolean renderer ``sdpa_mask``, for
@@ -103,19 +176,18 @@ def self_attention_mask(
     if window is not None:
         functions.append(sliding_window_overlay(window) if one_sided else sliding_window_bidirectional_overlay(window))
     if padding is None and not functions:
-        return prepared
-    mask = sdpa_mask(
-        batch_size=batch if padding is not None or documents is not None else 1,
+        return prepared, None
+    recipe = MaskRecipe(
+        function=and_masks(bidirectional_mask_function, *functions),
+        padding=padding,
+        batch=batch if padding is not None or documents is not None else 1,
         q_length=length,
         kv_length=mem_length + kv_length,
         q_offset=q_offset,
         kv_offset=kv_offset,
-        mask_function=and_masks(bidirectional_mask_function, *functions),
-        attention_mask=padding,
-        allow_is_causal_skip=False,
-        device=device,
     )
-    return mask if prepared is None else prepared & mask
+    mask = recipe.render(device)
+    return (mask, recipe) if prepared is None else (prepared & mask, None)
 
 
 @dataclass
@@ -152,20 +224,22 @@ class PositionContext:
     relative_position: Optional[torch.Tensor] = None
     # The paged cache's keyword arguments for ``cache.update`` (read/write indices, cu_seq_lens_k, ...), or None.
     paged: Optional[dict] = None
+    # What ``mask`` was rendered from (``MaskRecipe``), for a backend that renders masks its own way; None when
+    # ``mask`` is None, was prepared by the caller (a 4-D ``attention_mask``) or holds explicit positions.
+    mask_recipe: Optional[MaskRecipe] = None
 
     @classmethod
     def from_inputs(
         cls, config: RelPosConfig, scheme: nn.Module, inputs_embeds: torch.Tensor, attention_mask, position_ids,
-        cache, mems, packed: dict, attn_implementation: str, output_attentions: bool,
+        geometry: Geometry, mems, packed: dict, attn_implementation: str, output_attentions: bool,
     ) -> "PositionContext":
-        """The context of one forward over checked inputs: offsets read from the cache before any layer updates it,
-        packed documents, position ids, the mask and the live query rows. ``packed`` holds the
+        """The context of one forward over checked inputs (``geometry``, read from the cache before any layer
+        updates it): packed documents, position ids, the mask and the live query rows. ``packed`` holds the
         ``cu_seq_lens_q`` / ``seq_idx`` keyword arguments (None when absent)."""
-        batch, length = inputs_embeds.shape[:2]
+        batch, length, mem_length = geometry.batch, geometry.length, geometry.mem_length
+        q_offset, kv_length, kv_offset = geometry.q_offset, geometry.kv_length, geometry.kv_offset
         device = inputs_embeds.device
-        mem_length = mems[0].shape[1] if mems is not None else 0
-        q_offset, kv_length, kv_offset = cache_offsets(cache, length)
-        fresh = is_fresh(q_offset, kv_length, length, mem_length)
+        fresh = geometry.fresh
         documents = packed_documents(packed, position_ids, attention_mask, fresh, batch, length, device)
         if position_ids is None and documents is not None:  # packed by cu_seq_lens_q / seq_idx alone
             token = torch.arange(length, device=device).expand(batch, -1)
@@ -176,7 +250,7 @@ class PositionContext:
             position_ids = (torch.arange(length, device=device) + q_offset)[None]
         scheme.check_positions(position_ids)
         window = config.sliding_window if mems is None else None
-        mask = self_attention_mask(
+        mask, recipe = self_attention_mask(
             attention_mask, documents, window, one_sided=config.is_decoder or config.memory_window is not None,
             batch=batch, length=length, q_offset=q_offset, kv_length=kv_length, kv_offset=kv_offset,
             mem_length=mem_length, device=device,
@@ -194,6 +268,7 @@ class PositionContext:
             output_attentions=output_attentions,
             alive=None,
             scheme=scheme,
+            mask_recipe=recipe,
         )
         ctx.alive = ctx.live_rows(device)
         if mask is not None and documents is None and attention_mask is not None and config.sliding_window is None:
@@ -249,8 +324,12 @@ class PositionContext:
     def to(self, device, non_blocking: bool = False) -> "PositionContext":
         """Called by accelerate's hooks when a layer sits on another device."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        recipe = self.mask_recipe
+        if recipe is not None and recipe.padding is not None:
+            recipe = replace(recipe, padding=move(recipe.padding))
         return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive),
-                       key_mask=move(self.key_mask), relative_position=move(self.relative_position))
+                       key_mask=move(self.key_mask), relative_position=move(self.relative_position),
+                       mask_recipe=recipe)
 
     @property
     def traced_offset(self) -> bool:

@@ -73,12 +73,12 @@ def scheme(request):
 # config, and the models' forward through Transformers' attention interface and masks. `make compat` runs every
 # test against the newest tested Transformers and these (`-m transformers_dependent`) against the oldest.
 TRANSFORMERS_DEPENDENT = {
-    "test_auto_classes", "test_checkpoints", "test_cli", "test_cli_safety", "test_compat", "test_configuration_relpos",
-    "test_continuous_batching", "test_corpus", "test_distributed", "test_empty_shapes", "test_export",
-    "test_export_tools", "test_faults", "test_fox", "test_fsdp", "test_generation", "test_inspect", "test_integration",
-    "test_lengthgen", "test_loading_safety", "test_memory", "test_model_card", "test_modeling", "test_modeling_fuzz",
-    "test_nothing_lost", "test_position_schemes", "test_reliability", "test_seq2seq", "test_serve",
-    "test_training_limits", "test_transformers_behaviour",
+    "test_attention_backends", "test_auto_classes", "test_checkpoints", "test_cli", "test_cli_safety", "test_compat",
+    "test_configuration_relpos", "test_continuous_batching", "test_corpus", "test_distributed", "test_empty_shapes",
+    "test_export", "test_export_tools", "test_faults", "test_fox", "test_fsdp", "test_generation", "test_inspect",
+    "test_integration", "test_lengthgen", "test_loading_safety", "test_memory", "test_model_card", "test_modeling",
+    "test_modeling_fuzz", "test_nothing_lost", "test_position_context", "test_position_schemes", "test_reliability",
+    "test_seq2seq", "test_serve", "test_training_limits", "test_transformers_behaviour",
 }
 # The rest, run on the development pin and the newest: the math and its CPU kernels against float64 oracles
 # (Transformers only as a fixed reference: T5's bucket function, BLOOM's ALiBi), the worked example, the import
