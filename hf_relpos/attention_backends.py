@@ -1,11 +1,18 @@
 """Attention backends: how a position term is computed, given what the scheme says it is.
 
+A scheme says what its term is (``position_schemes.py``): nothing beyond the mask (NoPE, the absolute baselines),
+rotated queries and keys (RoPE, then the mask), an additive bias (``bias_term``: a dense bias and, where it has
+one, a compact form named by the scheme's ``compact_form``), or a whole attention call of its own (Shaw's values,
+Transformer-XL's position-dependent query). This module decides how it is computed, from the config's
+``attn_implementation``, the device and the inputs:
+
 - ``eager_attention_forward``: plain attention that materialises the probabilities (``output_attentions``);
 - ``interface_attention``: the config's ``attn_implementation`` through Transformers' attention interface
   (eager, SDPA, or one a user registered), a mask or a bias merged with it as the additive term;
-- ``attend_merged_bias``: a bias merged with the mask, kept on CPU SDPA's fused kernel when it needs a gradient;
-- ``cpu_fast_path``: the one predicate for the fused CPU paths of ``kernels.py`` that a scheme's compact term
-  takes (T5's bias per clipped distance, ALiBi's and FoX's per-key bias).
+- ``cpu_fast_path``: the one predicate for the fused CPU paths (``kernels.py``) that a compact bias takes;
+- ``bias_term``: the compact form where ``cpu_fast_path`` holds, else the dense bias merged with the mask;
+- ``attend_bias``: a compact form in its fused path (``COMPACT_PATHS``), a merged bias through
+  ``attend_merged_bias``, kept on CPU SDPA's fused kernel when it needs a gradient.
 """
 
 from typing import Callable, Optional
@@ -17,7 +24,7 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_utils import _exporting
-from .functional import attention_with_bias
+from .functional import attention_with_bias, causal_key_bias_attention, saturating_bias_attention
 from .position_context import PositionContext
 
 
@@ -100,3 +107,55 @@ def attend_merged_bias(attn: nn.Module, query, key, value, bias: torch.Tensor, c
         # an output of another layout than the traced one, which the layer's reshape (traced as a view) cannot view.
         out = out.clone(memory_format=torch.contiguous_format)
     return out, weights
+
+
+def bias_term(
+    ctx: PositionContext, device, dtype, dropout: float, form: Optional[str], compact: Callable, dense: Callable
+) -> torch.Tensor:
+    """A bias term as the backend computes it: ``compact()``, the scheme's compact form ``form``, where its fused
+    CPU path takes it (``cpu_fast_path``, and the path's precision: ``FULL_PRECISION_FORMS``; the scheme returns
+    None where its form does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the mask, masked
+    entries at the dtype's minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates), and
+    handed to ``attend_bias``."""
+    takes = form is not None and cpu_fast_path(ctx, device, dropout)
+    if form in FULL_PRECISION_FORMS and dtype not in (torch.float32, torch.float64):
+        takes = False
+    term = compact() if takes else None
+    if term is not None:
+        return term
+    bias = dense().to(dtype)
+    mask = ctx.full_mask(device)
+    return bias if mask is None else torch.where(mask, bias, torch.finfo(dtype).min)
+
+
+def _distance_bias_path(attn, query, key, value, table, ctx, span):
+    """A bias per clipped distance ``[H, 2s+1]`` (T5's): the band decomposition, far keys in the fused kernel
+    (``span`` unused: the table is bounded)."""
+    return saturating_bias_attention(
+        query, key, value, table, attention_mask=ctx.key_mask, is_causal=ctx.causal, scale=attn.scaling
+    )
+
+
+def _key_bias_path(attn, query, key, value, key_bias, ctx, span):
+    """A bias per key ``[H, K]`` or ``[B, H, K]`` of causal attention (ALiBi's, FoX's): the fused causal kernel."""
+    return causal_key_bias_attention(query, key, value, key_bias, attention_mask=ctx.key_mask, scale=attn.scaling,
+                                     span=span)
+
+
+# The compact forms a bias may take (a scheme's ``compact_form``) and the fused CPU path that computes each
+# (``functional``'s entry points: they check their inputs and compute exactly where a kernel of ``kernels.py``
+# cannot run).
+COMPACT_PATHS = {"distance": _distance_bias_path, "key": _key_bias_path}
+# The forms whose path runs in full precision only: the per-key kernel takes the differences of a float64 bias
+# over each chunk of rows; half precision keeps the dense bias.
+FULL_PRECISION_FORMS = frozenset({"key"})
+
+
+def attend_bias(attn: nn.Module, query, key, value, term: torch.Tensor, ctx: PositionContext, form: Optional[str],
+                span: Optional[float] = None):
+    """Attention with a ``bias_term``: a compact one (a scheme's ``form``, fewer than 4 dims) in the fused path
+    of its form (``span``: how far a per-key bias may spread over one chunk of rows, None: no limit), a merged
+    one (``[B|1, H, Q, K]``) through ``attend_merged_bias``. Returns ``([B, Q, H, D], probabilities or None)``."""
+    if form is not None and term.dim() < 4:
+        return COMPACT_PATHS[form](attn, query, key, value, term, ctx, span).transpose(1, 2), None
+    return attend_merged_bias(attn, query, key, value, term, ctx)

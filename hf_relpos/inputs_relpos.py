@@ -233,13 +233,14 @@ def _check_cache(model, cache, batch: int, length: int) -> Geometry:
         raise ValueError(
             f"cache (past_key_values) must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
         )
-    geometry = read_cache(cache, batch, length)
+    # More layers than the model has: refused before the cache is read (a linear-attention layer has no geometry).
+    too_many = cache is not None and len(cache.layers) > config.num_hidden_layers
+    geometry = None if too_many else read_cache(cache, batch, length)
     if cache is None:
         return geometry
-    layers = geometry.cache_layers
-    if layers > config.num_hidden_layers or (layers != config.num_hidden_layers and geometry.q_offset > 0):
+    if too_many or (geometry.cache_layers != config.num_hidden_layers and geometry.q_offset > 0):
         raise ValueError(
-            f"cache (past_key_values) has {layers} layers, this model has num_hidden_layers="
+            f"cache (past_key_values) has {len(cache.layers)} layers, this model has num_hidden_layers="
             f"{config.num_hidden_layers}: the cache comes from a different configuration"
         )
     if geometry.cache_keys is not None:

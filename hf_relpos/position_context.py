@@ -33,9 +33,10 @@ class Geometry:
     current, or a static cache's slots) at positions ``kv_offset + j``, after ``mem_length`` memory keys
     (Transformer-XL's). A static cache's offsets are tensors in a traced graph. ``cache_layers``, ``cache_keys``
     (``[batch, heads, channels]`` of the keys held, None when none are) and ``room`` (tokens a static cache
-    holds at most, None: no bound) are what the checks read of the cache. ``paged``: a continuous-batching
-    step's ``(cu_seq_lens_q, cu_seq_lens_k, key count)`` (``inputs_relpos._check_paged``), whose tokens sit
-    at their own requests' positions instead."""
+    holds at most; None: no bound, or not read in a traced graph) are what the checks read of the cache.
+    ``paged``: a continuous-batching step's ``(cu_seq_lens_q, cu_seq_lens_k, key count)``
+    (``inputs_relpos._check_paged``), whose tokens sit at their own requests' positions: its other fields
+    are then the defaults and ``kv_length`` the step's key count, read by nothing else."""
 
     batch: int
     length: int
@@ -56,7 +57,8 @@ class Geometry:
 
 def read_cache(cache, batch: int, length: int) -> Geometry:
     """The geometry of ``length`` new tokens after what ``cache`` (a Transformers ``Cache`` or None) holds, read
-    before any layer updates it: the only place the cache is asked. Offsets are read as Python ints in eager
+    before any layer updates it: the only place the cache is asked for its geometry (a paged cache's
+    allocators are ``inputs_relpos._check_paged``'s). Offsets are read as Python ints in eager
     calls and kept as they are (a static cache's tensors) in a traced graph."""
     if cache is None:
         return Geometry(batch, length, kv_length=length)
@@ -111,18 +113,35 @@ def packed_documents(packed: dict, position_ids, attention_mask, fresh: bool, ba
 @dataclass(frozen=True)
 class MaskRecipe:
     """What a rendered mask is made of, for any backend to render its own way (FlexAttention's ``BlockMask``
-    later): Transformers' composed ``function(batch_idx, head_idx, q_idx, kv_idx)`` over queries at positions
-    ``q_offset + i`` (``i < q_length``) and keys at ``kv_offset + j`` (``j < kv_length``), and a 2-D ``padding``
-    of keys indexed by ``kv_idx`` (None: no padding), for ``batch`` rows. Causality is not in it
-    (``PositionContext.causal``)."""
+    later): the ``[B, Q]`` document index of packed rows (``documents``), a causal (``one_sided``) or
+    bidirectional ``window``, and a 2-D ``padding`` of keys, for ``batch`` rows; ``function`` composes them as
+    Transformers' mask functions of ``(batch_idx, head_idx, q_idx, kv_idx)``, over query indices
+    ``q_offset + i`` (``i < q_length``) and key indices ``kv_offset + j`` (``j < kv_length``), ``padding``
+    indexed by the key index. The indices are positions, except that Transformer-XL's memory keys come first
+    among the keys (the memory has no window or documents; ``padding`` covers it). Causality is not in it: a key
+    index ``j`` is visible from query ``i`` when ``j <= ctx.past_length + i`` (``PositionContext.full_mask``)."""
 
-    function: Callable
+    documents: Optional[torch.Tensor]
+    window: Optional[int]
+    one_sided: bool
     padding: Optional[torch.Tensor]
     batch: int
     q_length: int
     kv_length: int
     q_offset: Any
     kv_offset: Any
+
+    @property
+    def function(self) -> Callable:
+        functions = [] if self.documents is None else [packed_sequence_mask_function(self.documents)]
+        if self.window is not None:
+            overlay = sliding_window_overlay if self.one_sided else sliding_window_bidirectional_overlay
+            functions.append(overlay(self.window))
+        return and_masks(bidirectional_mask_function, *functions)
+
+    def to(self, device, non_blocking: bool = False) -> "MaskRecipe":
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, documents=move(self.documents), padding=move(self.padding))
 
     def render(self, device) -> torch.Tensor:
         """bool ``[batch, 1, q_length, kv_length]`` (True = may attend), by Transformers' ``sdpa_mask``."""
@@ -172,13 +191,12 @@ def self_attention_mask(
             padding = None
         elif mem_length and not covers_memory:
             padding = F.pad(padding, (mem_length, 0), value=True)
-    functions = [] if documents is None else [packed_sequence_mask_function(documents)]
-    if window is not None:
-        functions.append(sliding_window_overlay(window) if one_sided else sliding_window_bidirectional_overlay(window))
-    if padding is None and not functions:
+    if padding is None and documents is None and window is None:
         return prepared, None
     recipe = MaskRecipe(
-        function=and_masks(bidirectional_mask_function, *functions),
+        documents=documents,
+        window=window,
+        one_sided=one_sided,
         padding=padding,
         batch=batch if padding is not None or documents is not None else 1,
         q_length=length,
@@ -324,9 +342,7 @@ class PositionContext:
     def to(self, device, non_blocking: bool = False) -> "PositionContext":
         """Called by accelerate's hooks when a layer sits on another device."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        recipe = self.mask_recipe
-        if recipe is not None and recipe.padding is not None:
-            recipe = replace(recipe, padding=move(recipe.padding))
+        recipe = None if self.mask_recipe is None else self.mask_recipe.to(device, non_blocking=non_blocking)
         return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive),
                        key_mask=move(self.key_mask), relative_position=move(self.relative_position),
                        mask_recipe=recipe)

@@ -2,8 +2,17 @@
 
 ``modeling_relpos.RelPosModel`` builds the ``PositionContext`` once per forward (``position_context.py``) and asks
 its scheme for the per-forward term; every attention layer hands queries, keys and values to ``scheme.attend``,
-which computes it through ``attention_backends.py``. Adding a scheme means one function in ``functional.py``, one
-class here and one line in ``POSITION_SCHEMES``.
+which computes it through ``attention_backends.py``. A scheme says what its term is; the backend module decides
+how it is computed:
+
+- nothing beyond the mask (NoPE, the absolute baselines) or rotated queries and keys (RoPE): the mask, through
+  ``interface_attention``;
+- an additive bias (``AdditiveBiasScheme``: T5, log-decay, ALiBi, KERPLE, FIRE; FoX per layer): a dense bias and,
+  where it has one, a compact form on small tables (``compact_form``), through ``bias_term`` and ``attend_bias``;
+- a whole attention call of its own (Shaw's relative values, Transformer-XL's position-dependent query), through
+  ``functional.py``'s exact computations and their fused CPU paths.
+
+Adding a scheme means one function in ``functional.py``, one class here and one line in ``POSITION_SCHEMES``.
 """
 
 import ctypes
@@ -18,20 +27,18 @@ from torch.nn import functional as F
 
 from transformers import initialization as init
 
-from .attention_backends import attend_merged_bias, cpu_fast_path, interface_attention
+from .attention_backends import attend_bias, bias_term, interface_attention
 from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
 from .functional import (
     KEY_BIAS_SPAN,
     alibi_bias,
     alibi_key_bias,
     alibi_slopes,
-    causal_key_bias_attention,
     fire_bias,
     fox_bias,
     fox_key_bias,
     kerple_log_bias,
     log_decay_bias,
-    saturating_bias_attention,
     shaw_attention,
     sinusoidal_embedding,
     t5_bias_by_distance,
@@ -46,7 +53,7 @@ from .position_context import PositionContext
 
 
 class PositionScheme(nn.Module):
-    """A position scheme answers four questions; the default answer is "nothing".
+    """A position scheme answers five questions; the default answer is "nothing".
 
     - ``embed``: what it adds to the token embeddings (absolute baselines);
     - ``forward``: the per-forward term, computed once for the new query rows against all keys and
@@ -66,6 +73,9 @@ class PositionScheme(nn.Module):
     token_init_std: Optional[float] = None
     # Channels the scheme appends to the keys (and so to the cache's keys) beyond head_dim, in ``prepare``.
     key_channels: int = 0
+    # The compact form of the scheme's bias that a fused path takes (a key of attention_backends.COMPACT_PATHS:
+    # "distance", a bias per clipped distance; "key", a bias per key of causal attention), None without one.
+    compact_form: Optional[str] = None
     # The config fields sizing each dimension of the scheme's parameters, by the end of their names (the loading
     # check names the field when a config does not describe its checkpoint: loading_relpos.parameter_fields).
     parameter_fields: tuple = ()
@@ -129,10 +139,9 @@ class AdditiveBiasScheme(PositionScheme):
     tensor is the whole per-forward term, so that it reaches the layers as a positional tensor, which
     reentrant activation checkpointing needs to carry a trained bias's gradient back to its table.
 
-    A scheme whose bias has a compact form that a fused CPU path takes (T5's bias per clipped distance,
-    causal ALiBi's bias per key) returns that 2-D tensor from ``compact`` and attends with it in
-    ``attend_compact``; ``compact`` is asked only for unmasked (or padded) self-attention of a fresh
-    forward on CPU's sdpa path without attention dropout.
+    A scheme whose bias has a compact form (T5's bias per clipped distance, causal ALiBi's bias per key) names it
+    in ``compact_form`` (a key of ``attention_backends.COMPACT_PATHS``) and returns it from ``compact`` (None where
+    it does not apply); the backend asks for it only where a fused path takes it (``bias_term``).
     """
 
     def __init__(self, config: RelPosConfig):
@@ -145,27 +154,22 @@ class AdditiveBiasScheme(PositionScheme):
     def compact(self, ctx: PositionContext, device, dtype) -> Optional[torch.Tensor]:
         return None
 
-    def attend_compact(self, attn, query, key, value, compact, ctx) -> torch.Tensor:
-        raise NotImplementedError
-
     def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
-        """The compact form where one applies, else the bias merged with the mask: ``[B|1, H, Q, K]``."""
+        """The bias term as the backend computes it: the compact form, or the bias merged with the mask."""
         dropout = self.attention_dropout if self.training else 0.0
-        compact = self.compact(ctx, device, dtype) if cpu_fast_path(ctx, device, dropout) else None
-        if compact is not None:
-            return compact
-        bias = self.bias(ctx, device, dtype).to(dtype)
-        mask = ctx.full_mask(device)
-        return bias if mask is None else torch.where(mask, bias, torch.finfo(dtype).min)
+        return bias_term(
+            ctx, device, dtype, dropout, self.compact_form,
+            compact=lambda: self.compact(ctx, device, dtype), dense=lambda: self.bias(ctx, device, dtype),
+        )
 
     def attend(self, attn, query, key, value, bias, ctx):
-        if bias.dim() == 2:  # the compact form of forward()
-            return self.attend_compact(attn, query, key, value, bias, ctx).transpose(1, 2), None
-        return attend_merged_bias(attn, query, key, value, bias, ctx)
+        return attend_bias(attn, query, key, value, bias, ctx, self.compact_form)
 
 
 class T5BiasScheme(AdditiveBiasScheme):
     """Raffel et al. 2020: a learned scalar per (distance bucket, head), one table for all layers."""
+
+    compact_form = "distance"
 
     parameter_fields = (
         (r"relative_attention_bias\.weight", (("relative_attention_num_buckets",), ("num_attention_heads",))),
@@ -201,11 +205,6 @@ class T5BiasScheme(AdditiveBiasScheme):
         weight = self._weight(device)
         return t5_bias_by_distance(weight, bidirectional=self.bidirectional, max_distance=self.max_distance).to(dtype)
 
-    def attend_compact(self, attn, query, key, value, compact, ctx):
-        return saturating_bias_attention(
-            query, key, value, compact, attention_mask=ctx.key_mask, is_causal=ctx.causal, scale=attn.scaling
-        )
-
 
 class LogDecayScheme(AdditiveBiasScheme):
     """The fixed bias ``-λ·ln(1 + |i - j|)``, the same for every head."""
@@ -225,6 +224,8 @@ class LogDecayScheme(AdditiveBiasScheme):
 class AlibiScheme(AdditiveBiasScheme):
     """Press et al. 2022: ``-m_h·|i - j|`` with fixed geometric head slopes."""
 
+    compact_form = "key"
+
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         # The fixed slopes in float32 as a plain attribute, not a buffer, which `.to(bf16)` would round (and
@@ -243,13 +244,10 @@ class AlibiScheme(AdditiveBiasScheme):
     def compact(self, ctx, device, dtype):
         """Causal ALiBi as a bias per key ``[H, K]`` (softmax ignores the row constant), which rides in the
         fused causal kernel (causal_key_bias_attention); in float64, so that the kernel's per-chunk
-        differences of it are exact. Full precision only: half precision keeps the exact form."""
-        if not ctx.causal or ctx.query_length < 2 or dtype not in (torch.float32, torch.float64):
+        differences of it are exact."""
+        if not ctx.causal or ctx.query_length < 2:
             return None
         return alibi_key_bias(alibi_slopes(self.num_heads, device=device, dtype=torch.float64), ctx.key_length)
-
-    def attend_compact(self, attn, query, key, value, compact, ctx):
-        return causal_key_bias_attention(query, key, value, compact, attention_mask=ctx.key_mask, scale=attn.scaling)
 
 
 class KerpleLogScheme(AdditiveBiasScheme):
@@ -351,6 +349,7 @@ class FoxScheme(PositionScheme):
     """
 
     key_channels = 1
+    compact_form = "key"  # -c_j, a bias per key
     parameter_fields = (  # the forget gate
         (r"fgate_proj\.weight", (("num_attention_heads",), ("hidden_size",))),
         (r"fgate_proj\.bias", (("num_attention_heads",),)),
@@ -377,15 +376,13 @@ class FoxScheme(PositionScheme):
     def attend(self, attn, query, key, value, term, ctx):
         key, log_forget = key[..., :-1], key[..., -1]
         dropout = attn.attention_dropout if attn.training else 0.0
-        if cpu_fast_path(ctx, query.device, dropout) and query.dtype in (torch.float32, torch.float64):
-            out = causal_key_bias_attention(
-                query, key, value, fox_key_bias(log_forget), attention_mask=ctx.key_mask, scale=attn.scaling,
-                span=KEY_BIAS_SPAN,
-            )
-            return out.transpose(1, 2), None
-        bias = fox_bias(log_forget, ctx.query_length, past_length=ctx.past_length).to(query.dtype)
-        bias = torch.where(ctx.full_mask(query.device), bias, torch.finfo(query.dtype).min)
-        return attend_merged_bias(attn, query, key, value, bias, ctx)
+        bias = bias_term(
+            ctx, query.device, query.dtype, dropout, self.compact_form,
+            compact=lambda: fox_key_bias(log_forget),
+            dense=lambda: fox_bias(log_forget, ctx.query_length, past_length=ctx.past_length),
+        )
+        # c_j grows along the sequence without bound: the fused path keeps its spread over a chunk of rows small.
+        return attend_bias(attn, query, key, value, bias, ctx, self.compact_form, span=KEY_BIAS_SPAN)
 
 
 class RopeScheme(PositionScheme):

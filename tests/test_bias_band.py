@@ -226,7 +226,7 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     """A padded batch (right and left padding) at the band's threshold takes the band / per-key path: the
     same outputs and gradients as the same padding given as a [B, 1, Q, K] mask, which takes the general path."""
     from hf_relpos import RelPosConfig, RelPosModel
-    from hf_relpos import position_schemes
+    from hf_relpos import attention_backends, position_schemes
 
     config = RelPosConfig(position_encoding=position_encoding, vocab_size=64, hidden_size=32, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=64, is_decoder=is_decoder,
@@ -245,8 +245,10 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     keep[1, :23] = 0  # left padding
     fast = {"t5_bias": "saturating_bias_attention", "shaw": "shaw_attention", "alibi": "causal_key_bias_attention"}
     fast_calls = []
-    real = getattr(position_schemes, fast[position_encoding])
-    monkeypatch.setattr(position_schemes, fast[position_encoding],
+    # Shaw's whole attention call is the scheme's; the compact forms' fused paths are the backend's.
+    module = position_schemes if position_encoding == "shaw" else attention_backends
+    real = getattr(module, fast[position_encoding])
+    monkeypatch.setattr(module, fast[position_encoding],
                         lambda *a, **k: fast_calls.append(k.get("attention_mask")) or real(*a, **k))
 
     def run(mask):

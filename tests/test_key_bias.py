@@ -85,7 +85,7 @@ def test_model_takes_the_per_key_form_and_matches_the_full_bias(monkeypatch, use
     full [1, H, n, n] bias, which the model tests check against the float64 model oracle; a cached
     prefill takes it too, and the decoding steps after it match."""
     from hf_relpos import RelPosConfig, RelPosForCausalLM
-    from hf_relpos import position_schemes
+    from hf_relpos import attention_backends
 
     config = RelPosConfig(position_encoding="alibi", vocab_size=64, hidden_size=32, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=64, is_decoder=True)
@@ -93,8 +93,8 @@ def test_model_takes_the_per_key_form_and_matches_the_full_bias(monkeypatch, use
     model = RelPosForCausalLM(config).double()
     ids = torch.randint(0, 64, (2, 40))
     calls = []
-    real = position_schemes.causal_key_bias_attention
-    monkeypatch.setattr(position_schemes, "causal_key_bias_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = attention_backends.causal_key_bias_attention
+    monkeypatch.setattr(attention_backends, "causal_key_bias_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         model.zero_grad()

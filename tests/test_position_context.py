@@ -109,16 +109,24 @@ def _render_entry_by_entry(recipe) -> torch.Tensor:
 
 
 def _case(name):
-    """(model, forward kwargs) of one masking case."""
+    """(model, forward kwargs, what may be attended beyond causality as ``keep(b, i, j)`` from the definitions)."""
     if name == "left padding":
-        return build("alibi"), dict(input_ids=rand_ids(3, 7), attention_mask=padding_mask(3, 7, "left"))
+        mask = padding_mask(3, 7, "left")
+        return build("alibi"), dict(input_ids=rand_ids(3, 7), attention_mask=mask), lambda b, i, j: bool(mask[b, j])
     if name == "bidirectional window and right padding":
         model = make_model(RelPosModel, "t5_bias", "eager", preset="modeling", is_decoder=False, sliding_window=3)
-        return model, dict(input_ids=rand_ids(3, 7), attention_mask=padding_mask(3, 7, "right"))
+        mask = padding_mask(3, 7, "right")
+        return model, dict(input_ids=rand_ids(3, 7), attention_mask=mask), (
+            lambda b, i, j: bool(mask[b, j]) and abs(i - j) <= 3
+        )
     if name == "packed documents":
-        return build("kerple_log"), dict(input_ids=rand_ids(1, 8), position_ids=torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]]))
+        positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+        document = (positions == 0).cumsum(-1)[0]
+        return build("kerple_log"), dict(input_ids=rand_ids(1, 8), position_ids=positions), (
+            lambda b, i, j: bool(document[i] == document[j])
+        )
     if name == "causal window":
-        return build("rope", sliding_window=3), dict(input_ids=rand_ids(2, 9))
+        return build("rope", sliding_window=3), dict(input_ids=rand_ids(2, 9)), lambda b, i, j: i - j < 3
     raise AssertionError(name)
 
 
@@ -126,14 +134,43 @@ def _case(name):
     "name", ["left padding", "bidirectional window and right padding", "packed documents", "causal window"]
 )
 def test_the_mask_recipe_describes_the_rendered_mask(name):
-    model, kwargs = _case(name)
+    """The mask and its recipe's function both say what the case's definition says, entry by entry."""
+    model, kwargs, keep = _case(name)
     contexts, _ = _contexts(model if isinstance(model, RelPosForCausalLM) else _Wrap(model), **kwargs)
     ctx = contexts[0]
     assert ctx.mask is not None and ctx.mask_recipe is not None
     assert all(other is ctx for other in contexts)  # built once, handed to every layer
-    expected = _render_entry_by_entry(ctx.mask_recipe)
-    assert torch.equal(ctx.mask, expected.expand_as(ctx.mask))
-    assert torch.equal(ctx.mask_recipe.render("cpu"), ctx.mask)
+    batch, _, length, keys = ctx.mask.shape
+    rows = kwargs["input_ids"].shape[0]
+    expected = torch.tensor(
+        [[[[keep(b, i, j) for j in range(keys)] for i in range(length)]] for b in range(rows)]
+    )
+    assert torch.equal(ctx.mask.expand(rows, -1, -1, -1), expected)
+    assert torch.equal(_render_entry_by_entry(ctx.mask_recipe).expand(rows, -1, -1, -1), expected)
+
+
+def test_a_context_moves_its_mask_recipe():
+    """``PositionContext.to`` (accelerate's hooks) moves the recipe's tensors, the packed documents included."""
+    model = build("alibi")
+    contexts, _ = _contexts(model, rand_ids(1, 6), seq_idx=torch.tensor([[0, 0, 0, 1, 1, 1]]))
+    moved = contexts[0].to("meta")
+    assert moved.mask_recipe.documents.is_meta and moved.mask.is_meta
+    assert contexts[0].mask_recipe.documents.device.type == "cpu"
+
+
+def test_a_cache_of_more_layers_is_refused_before_it_is_read():
+    """A cache of another configuration is one line naming the layers, before its layers are asked anything (a
+    cache of linear-attention layers answers no geometry question)."""
+    model = build("alibi")
+    cache = DynamicCache(config=build("alibi", num_hidden_layers=3).config)
+    assert len(cache.layers) == 3
+
+    def unreadable(*args, **kwargs):
+        raise AssertionError("the cache was asked")
+
+    cache.get_query_offset = cache.get_mask_sizes = cache.get_seq_length = unreadable
+    with pytest.raises(ValueError, match=r"cache \(past_key_values\) has 3 layers, this model has num_hidden_layers=2"):
+        model(rand_ids(1, 4), cache=cache)
 
 
 def test_the_mask_recipe_of_cached_decoding_is_offset_by_the_cache():
