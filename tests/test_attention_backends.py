@@ -16,7 +16,7 @@ from hf_relpos import POSITION_ENCODINGS, RelPosForCausalLM
 from hf_relpos import attention_backends
 from hf_relpos.attention_backends import COMPACT_PATHS, attend_bias, bias_term
 from hf_relpos.position_schemes import POSITION_SCHEMES, AdditiveBiasScheme, PositionScheme
-from tests.tiny import make_model, padding_mask, rand_ids
+from tiny import make_model, padding_mask, rand_ids
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_relpos"
 # The functions that choose or run a fused CPU path on the model's behalf.

@@ -15,7 +15,7 @@ from transformers import DynamicCache, StaticCache
 
 from hf_relpos import RelPosForCausalLM, RelPosModel
 from hf_relpos.position_context import Geometry, read_cache
-from tests.tiny import build, make_model, padding_mask, rand_ids
+from tiny import build, make_model, padding_mask, rand_ids
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_relpos"
 CACHE_QUESTIONS = {"get_seq_length", "get_query_offset", "get_mask_sizes", "get_max_length"}
