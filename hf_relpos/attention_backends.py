@@ -12,7 +12,9 @@ Transformer-XL's position-dependent query). This module decides how it is comput
 - ``cpu_fast_path``: the one predicate for the fused CPU paths (``kernels.py``) that a compact bias takes;
 - ``bias_term``: the compact form where ``cpu_fast_path`` holds, else the dense bias merged with the mask;
 - ``attend_bias``: a compact form in its fused path (``COMPACT_PATHS``), a merged bias through
-  ``attend_merged_bias``, kept on CPU SDPA's fused kernel when it needs a gradient.
+  ``attend_merged_bias``, kept on CPU SDPA's fused kernel when it needs a gradient;
+- under ``attn_implementation="flex_attention"``, every one of them hands the scheme's score form
+  (``PositionScheme.score_form``: a table of distances, FoX's vectors, or nothing) to ``flex_backend.py``.
 """
 
 from typing import Callable, Optional
@@ -24,6 +26,7 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_utils import _exporting
+from .flex_backend import FLEX, cross_block_mask, flex_attend, flex_self_attention
 from .functional import attention_with_bias, causal_key_bias_attention, saturating_bias_attention
 from .position_context import PositionContext
 
@@ -69,9 +72,24 @@ def cpu_fast_path(ctx: PositionContext, device: torch.device, dropout: float) ->
     )
 
 
+def mask_term(ctx: PositionContext, device) -> Optional[torch.Tensor]:
+    """The per-forward term of a scheme without a bias: the bool mask with causality (``full_mask``), or None where
+    the kernel masks on its own: SDPA's ``is_causal`` flag (top-left aligned, right only when queries and keys
+    coincide or a single query sees every key), FlexAttention's ``BlockMask``."""
+    if ctx.attn_implementation == FLEX:
+        return None
+    if ctx.attn_implementation == "sdpa" and ctx.mask is None and ctx.keys_end_at_query:
+        if not ctx.causal or ctx.query_length in (1, ctx.key_length):
+            return None
+    return ctx.full_mask(device)
+
+
 def interface_attention(attn: nn.Module, query, key, value, mask: Optional[torch.Tensor], ctx: PositionContext):
     """``ctx.attn_implementation`` through Transformers' attention interface; ``mask`` is the bool mask or a bias
-    merged with it (None: nothing masked, SDPA's own causal flag where the model is causal)."""
+    merged with it (None: nothing masked, SDPA's own causal flag where the model is causal). FlexAttention masks
+    by ``ctx``'s ``BlockMask`` instead, with no score function."""
+    if ctx.attn_implementation == FLEX:
+        return flex_self_attention(attn, query, key, value, ctx), None
     interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
     out, weights = interface(
         attn,
@@ -87,6 +105,24 @@ def interface_attention(attn: nn.Module, query, key, value, mask: Optional[torch
         # Zeros for a query with no key left, as eager SDPA gives: the ONNX translation of SDPA with a boolean
         # mask averages the masked values there instead.
         out = out * ctx.alive.transpose(1, 2)
+    return out, weights
+
+
+def cross_attention(attn: nn.Module, query, key, value, key_mask: Optional[torch.Tensor], ctx: PositionContext):
+    """An encoder-decoder's cross-attention, without a position term (as T5): ``key_mask`` is the bool
+    ``[B, 1, 1, S]`` of the source's keys (None: nothing masked). Returns ``([B, Q, H, D], probabilities or None)``;
+    a source that is all padding leaves a query no key: zeros, never NaN (as the self-attention paths)."""
+    alive = None if key_mask is None else key_mask.any(dim=-1, keepdim=True).transpose(1, 2)
+    if ctx.attn_implementation == FLEX:
+        block_mask = cross_block_mask(key_mask, query.shape[2], ctx)
+        return flex_attend(attn, query, key, value, block_mask, alive=alive), None
+    interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
+    out, weights = interface(
+        attn, query, key, value, key_mask,
+        dropout=attn.attention_dropout if attn.training else 0.0, scaling=attn.scaling, is_causal=False,
+    )
+    if alive is not None:
+        out = out * alive.to(out.dtype)
     return out, weights
 
 
@@ -110,13 +146,16 @@ def attend_merged_bias(attn: nn.Module, query, key, value, bias: torch.Tensor, c
 
 
 def bias_term(
-    ctx: PositionContext, device, dtype, dropout: float, form: Optional[str], compact: Callable, dense: Callable
+    ctx: PositionContext, device, dtype, dropout: float, form: Optional[str], compact: Callable, dense: Callable,
+    score: Callable,
 ) -> torch.Tensor:
-    """A bias term as the backend computes it: ``compact()``, the scheme's compact form ``form``, where its fused
-    CPU path takes it (``cpu_fast_path``, and the path's precision: ``FULL_PRECISION_FORMS``; the scheme returns
-    None where its form does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the mask, masked
-    entries at the dtype's minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates), and
-    handed to ``attend_bias``."""
+    """A bias term as the backend computes it: under FlexAttention ``score()``, the small tensor of the scheme's
+    ``score_form``; else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it
+    (``cpu_fast_path``, and the path's precision: ``FULL_PRECISION_FORMS``; the scheme returns None where its form
+    does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the mask, masked entries at the dtype's
+    minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates), and handed to ``attend_bias``."""
+    if ctx.attn_implementation == FLEX:
+        return score()
     takes = form is not None and cpu_fast_path(ctx, device, dropout)
     if form in FULL_PRECISION_FORMS and dtype not in (torch.float32, torch.float64):
         takes = False
@@ -155,7 +194,10 @@ def attend_bias(attn: nn.Module, query, key, value, term: torch.Tensor, ctx: Pos
                 span: Optional[float] = None):
     """Attention with a ``bias_term``: a compact one (a scheme's ``form``, fewer than 4 dims) in the fused path
     of its form (``span``: how far a per-key bias may spread over one chunk of rows, None: no limit), a merged
-    one (``[B|1, H, Q, K]``) through ``attend_merged_bias``. Returns ``([B, Q, H, D], probabilities or None)``."""
+    one (``[B|1, H, Q, K]``) through ``attend_merged_bias``; under FlexAttention, the score function of the
+    scheme's ``score_form`` over it. Returns ``([B, Q, H, D], probabilities or None)``."""
+    if ctx.attn_implementation == FLEX:
+        return flex_self_attention(attn, query, key, value, ctx, ctx.scheme.score_form, term), None
     if form is not None and term.dim() < 4:
         return COMPACT_PATHS[form](attn, query, key, value, term, ctx, span).transpose(1, 2), None
     return attend_merged_bias(attn, query, key, value, term, ctx)

@@ -926,6 +926,22 @@ def fox_bias(log_forget: torch.Tensor, query_length: int, *, past_length: int = 
     return c[..., rows, None] - c[..., None, :]
 
 
+def fox_query_key_bias(log_forget: torch.Tensor, query_length: int, *, past_length: int = 0) -> torch.Tensor:
+    """FoX's bias as a term per query plus one per key: ``[B, H, 2, Q + K]`` float32 holding ``c_{past_length + i}``
+    for the ``Q`` queries, then ``-c_j`` for the ``K`` keys, each as a high part (``[..., 0, :]``, its float32
+    rounding) and a low part (``[..., 1, :]``, the rest), with ``c = cumsum(log f)`` in float64 as in ``fox_bias``,
+    whose ``D[b, h, i, j]`` is their sum (Lin et al. 2025, eq. (3)-(4)). Summed high with high and low with low,
+    they keep the difference's digits where ``c_i`` and ``c_j`` are large and close. FlexAttention's score form
+    "query_key"."""
+    query_length = _check_int("query_length", query_length)
+    past_length = _check_offset("past_length", past_length)
+    c = _fox_cumsum(log_forget)
+    rows = (torch.arange(query_length, device=c.device) + past_length).clamp(max=c.shape[-1] - 1)
+    terms = torch.cat([c[..., rows], -c], dim=-1)
+    high = terms.float()
+    return torch.stack([high, (terms - high.to(terms.dtype)).float()], dim=-2)
+
+
 # ----------------------------------------------------------------------------------
 # Learned biases of the distance: KERPLE (Chi et al. 2022), FIRE (Li et al. 2024)
 # ----------------------------------------------------------------------------------

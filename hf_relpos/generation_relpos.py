@@ -9,13 +9,15 @@ mixins the heads inherit (``modeling_relpos.py`` overrides none of GenerationMix
   encoder handed only what it takes.
 """
 
+import copy
 import inspect
 from typing import Optional
 
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_masks_for_generate
 
-from .inputs_relpos import CACHE_FIELD, MODEL_KWARGS, continuous_batching_refusal
+from .inputs_relpos import CACHE_FIELD, MODEL_KWARGS, attention_implementation, continuous_batching_refusal
 from .position_schemes import POSITION_SCHEMES
 
 
@@ -68,6 +70,16 @@ class RelPosGenerationMixin(GenerationMixin):
     # generate (and Transformers' tests) read this method's parameters: `inputs_embeds` among them is what lets
     # `generate(inputs_embeds=...)` run, so it keeps the signature of the method it wraps.
     prepare_inputs_for_generation.__signature__ = inspect.signature(GenerationMixin.prepare_inputs_for_generation)
+
+    def create_masks_for_generate(self, *args, config, **kwargs):
+        """generate's mask for a compilable (static) cache, by Transformers' ``create_masks_for_generate``. Under
+        FlexAttention the bool ``[B, 1, Q, slots]`` mask it renders for SDPA, of one shape at every decoding
+        step (a compiled step keeps its graph), which the model's FlexAttention reads in its mask function: a
+        ``BlockMask`` would come with neither the model's own masks (packed documents, a window) nor its checks."""
+        if attention_implementation(config) == "flex_attention":
+            config = copy.copy(config)
+            config._attn_implementation = "sdpa"
+        return create_masks_for_generate(*args, config=config, **kwargs)
 
     def _get_static_cache_init_shape(self, *args, **kwargs):
         """Transformers sizes an eagerly initialised StaticCache (``prefill_chunk_size``) for keys of head_dim: where

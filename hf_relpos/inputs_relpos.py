@@ -16,10 +16,11 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils.generic import TransformersKwargs
 
+from .flex_backend import flex_refusal
 from .position_context import Geometry, read_cache, unpadded
 from .position_schemes import POSITION_SCHEMES
 
-SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 
 
 def attention_implementation(config) -> str:
@@ -119,7 +120,7 @@ def check_inputs(
     refuse_unknown_kwargs(type(model).__name__, kwargs, MODEL_KWARGS | PAGED_KWARGS)
     paged = isinstance(cache, PagedAttentionCache)
     _check_model_kwargs(model, kwargs, paged)
-    _check_setup(model, cache)
+    _check_setup(model, cache, inputs_embeds)
     batch, length = _check_tokens(model, input_ids, inputs_embeds)
     if paged:
         step = _check_paged(model, cache, kwargs, attention_mask, position_ids, mems, encoder_hidden_states, batch, length)
@@ -173,8 +174,9 @@ def _check_model_kwargs(model, kwargs: dict, paged: bool = False) -> None:
             f"cu_seq_lens_q={None if q is None else q.tolist()}, cu_seq_lens_k={k.tolist()}"
         )
 
-def _check_setup(model, cache) -> None:
-    """The cache's kind, the attention implementation, and a cache under activation checkpointing."""
+def _check_setup(model, cache, inputs_embeds=None) -> None:
+    """The cache's kind, the attention implementation (and what FlexAttention cannot serve), and a cache under
+    activation checkpointing."""
     if isinstance(cache, EncoderDecoderCache) and not (model.config.is_encoder_decoder and model.config.is_decoder):
         raise ValueError("an EncoderDecoderCache is for an encoder-decoder's decoder; this stack has no cross-attention")
     impl = model.config._attn_implementation or "eager"
@@ -185,6 +187,21 @@ def _check_setup(model, cache) -> None:
             f"attn_implementation must be one of {list(SUPPORTED_ATTN_IMPLEMENTATIONS)} for hf_relpos, got {impl!r}"
             + (" (continuous batching's, for its steps with a PagedAttentionCache)" if impl == "paged|eager" else "")
         )
+    if impl == "flex_attention":
+        if isinstance(cache, PagedAttentionCache):
+            raise ValueError(
+                "attn_implementation='flex_attention' with a PagedAttentionCache (continuous batching): its steps "
+                "run hf_relpos' own paged path; use 'sdpa' or 'eager'"
+            )
+        needs_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in model.parameters())
+            or (isinstance(inputs_embeds, torch.Tensor) and inputs_embeds.requires_grad)
+        )
+        refusal = flex_refusal(
+            POSITION_SCHEMES[model.config.position_encoding], model.config, model.device, model.training, needs_grad
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
     if cache is not None and model._checkpointing():
         # A checkpointed layer runs twice (forward, then again in backward): a cache would take its keys twice.
         raise ValueError(

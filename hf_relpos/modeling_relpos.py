@@ -18,7 +18,7 @@ once and hands both to every layer.
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -35,13 +35,14 @@ from transformers.modeling_outputs import (
     Seq2SeqLMOutput,
     SequenceClassifierOutput,
 )
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention_backends import eager_attention_forward
+from .attention_backends import cross_attention
 from .configuration_relpos import RelPosConfig
+from .flex_backend import flex_refusal
 from .generation_relpos import CausalLMGenerationMixin, Seq2SeqGenerationMixin
 from .inputs_relpos import (
     CACHE_FIELD,
@@ -228,14 +229,7 @@ class RelPosCrossAttention(nn.Module):
             if cross_cache is not None:
                 key, value = cross_cache.update(key, value, self.layer_idx)
                 cache.is_updated[self.layer_idx] = True
-        interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
-        out, weights = interface(
-            self, query, key, value, encoder_mask,
-            dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, is_causal=False,
-        )
-        if encoder_mask is not None:
-            # A source that is all padding leaves a query no key: zeros, never NaN (as the self-attention paths).
-            out = out * encoder_mask.any(dim=-1, keepdim=True).transpose(1, 2).to(out.dtype)
+        out, weights = cross_attention(self, query, key, value, encoder_mask, ctx)
         return self.o_proj(out.reshape(batch, length, -1)), weights
 
 
@@ -296,7 +290,8 @@ class RelPosPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = False
-    _supports_flex_attn = False
+    # FlexAttention (flex_backend.py) for every scheme whose term is a score function (PositionScheme.score_form).
+    _supports_flex_attn = True
     # A decode step with a StaticCache traces into one graph (torch.compile fullgraph=True) for every scheme:
     # the cache's offset stays a tensor (PositionContext.traced_offset), never read on the host.
     _can_compile_fullgraph = True
@@ -313,6 +308,21 @@ class RelPosPreTrainedModel(PreTrainedModel):
         is a ``ValueError`` naming the field before anything is allocated."""
         check_checkpoint_fits(cls, pretrained_model_name_or_path, kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """``set_attn_implementation`` may switch these models: their layers read ``config._attn_implementation``
+        on every call (attention_backends.py). Transformers guesses it from the modeling file's source (a call of
+        ``ALL_ATTENTION_FUNCTIONS.get_interface``), which lives in the backends' module here."""
+        return True
+
+    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
+        """Transformers' check of ``attn_implementation="flex_attention"`` (config, ``from_pretrained``,
+        ``set_attn_implementation``), and the scheme's: one ``ValueError`` where its term is no score function."""
+        refusal = flex_refusal(POSITION_SCHEMES[self.config.position_encoding], self.config)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return super()._flex_attn_can_dispatch(is_init_check)
 
     @property
     def supports_context_parallel(self) -> bool:

@@ -4,7 +4,7 @@ rendered by Transformers' ``sdpa_mask`` (``self_attention_mask``), and ``Positio
 from the record and handed to every layer.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -245,6 +245,9 @@ class PositionContext:
     # What ``mask`` was rendered from (``MaskRecipe``), for a backend that renders masks its own way; None when
     # ``mask`` is None, was prepared by the caller (a 4-D ``attention_mask``) or holds explicit positions.
     mask_recipe: Optional[MaskRecipe] = None
+    # Masks a backend rendered its own way from the above, made once per forward and shared by the layers
+    # (FlexAttention's ``BlockMask``s, by ``flex_backend``), by name.
+    block_masks: dict = field(default_factory=dict)
 
     @classmethod
     def from_inputs(
@@ -343,9 +346,10 @@ class PositionContext:
         """Called by accelerate's hooks when a layer sits on another device."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         recipe = None if self.mask_recipe is None else self.mask_recipe.to(device, non_blocking=non_blocking)
+        block_masks = {name: None if m is None else m.to(device) for name, m in self.block_masks.items()}
         return replace(self, mask=move(self.mask), position_ids=move(self.position_ids), alive=move(self.alive),
                        key_mask=move(self.key_mask), relative_position=move(self.relative_position),
-                       mask_recipe=recipe)
+                       mask_recipe=recipe, block_masks=block_masks)
 
     @property
     def traced_offset(self) -> bool:

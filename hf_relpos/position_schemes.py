@@ -17,7 +17,7 @@ Adding a scheme means one function in ``functional.py``, one class here and one 
 
 import ctypes
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from transformers import initialization as init
 
-from .attention_backends import attend_bias, bias_term, interface_attention
+from .attention_backends import attend_bias, bias_term, interface_attention, mask_term
 from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
 from .functional import (
     KEY_BIAS_SPAN,
@@ -37,6 +37,7 @@ from .functional import (
     fire_bias,
     fox_bias,
     fox_key_bias,
+    fox_query_key_bias,
     kerple_log_bias,
     log_decay_bias,
     shaw_attention,
@@ -76,6 +77,11 @@ class PositionScheme(nn.Module):
     # The compact form of the scheme's bias that a fused path takes (a key of attention_backends.COMPACT_PATHS:
     # "distance", a bias per clipped distance; "key", a bias per key of causal attention), None without one.
     compact_form: Optional[str] = None
+    # The term as FlexAttention's score function (a key of flex_backend.SCORE_MODS: "distance", a bias per signed
+    # distance; "query_key", a bias per query plus one per key; "": nothing beyond the mask), or None where the term
+    # is no function of a score and two small tables, and ``score_refusal`` says why (flex refused).
+    score_form: Optional[str] = ""
+    score_refusal: Optional[str] = None
     # The config fields sizing each dimension of the scheme's parameters, by the end of their names (the loading
     # check names the field when a config does not describe its checkpoint: loading_relpos.parameter_fields).
     parameter_fields: tuple = ()
@@ -112,12 +118,7 @@ class PositionScheme(nn.Module):
         return inputs_embeds
 
     def forward(self, ctx: PositionContext, device, dtype) -> Any:
-        # With nothing masked beyond causality, SDPA's own is_causal flag keeps the fused kernel; it
-        # aligns the causal pattern top-left, which is right only when queries and keys coincide.
-        if ctx.attn_implementation == "sdpa" and ctx.mask is None and ctx.keys_end_at_query:
-            if not ctx.causal or ctx.query_length in (1, ctx.key_length):
-                return None
-        return ctx.full_mask(device)
+        return mask_term(ctx, device)
 
     def rotate(self, query, key, term, ctx):
         return query, key
@@ -144,6 +145,8 @@ class AdditiveBiasScheme(PositionScheme):
     it does not apply); the backend asks for it only where a fused path takes it (``bias_term``).
     """
 
+    score_form = "distance"
+
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.attention_dropout = config.attention_dropout
@@ -154,12 +157,23 @@ class AdditiveBiasScheme(PositionScheme):
     def compact(self, ctx: PositionContext, device, dtype) -> Optional[torch.Tensor]:
         return None
 
+    def bias_by_distance(self, ctx: PositionContext, device) -> torch.Tensor:
+        """``[H, Q + K - 1]``: the bias of every signed distance ``j - (past + i)`` the forward holds, at index
+        ``j - i + Q - 1`` (FlexAttention's score form "distance"): the scheme's own ``bias`` of one query at
+        ``past + Q - 1`` over ``Q + K - 1`` keys, so each value is computed as the dense bias computes it."""
+        row = replace(ctx, query_length=1, key_length=ctx.key_length + ctx.query_length - 1,
+                      past_length=ctx.past_length + ctx.query_length - 1)
+        bias = self.bias(row, device, torch.float32)[0, :, 0].float()
+        return bias.expand(self.num_heads, -1).contiguous()  # a bias the same for every head (log-decay's)
+
     def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
-        """The bias term as the backend computes it: the compact form, or the bias merged with the mask."""
+        """The bias term as the backend computes it: the compact form, the bias merged with the mask, or the
+        bias of each distance (FlexAttention)."""
         dropout = self.attention_dropout if self.training else 0.0
         return bias_term(
             ctx, device, dtype, dropout, self.compact_form,
             compact=lambda: self.compact(ctx, device, dtype), dense=lambda: self.bias(ctx, device, dtype),
+            score=lambda: self.bias_by_distance(ctx, device),
         )
 
     def attend(self, attn, query, key, value, bias, ctx):
@@ -280,6 +294,12 @@ class KerpleLogScheme(AdditiveBiasScheme):
 class FireScheme(AdditiveBiasScheme):
     """Li et al. 2024 (FIRE): a learned MLP of the progressively normalised log distance, causal."""
 
+    score_form = None
+    score_refusal = (
+        "FIRE's bias depends on each query's position as well as the distance (its normaliser psi(max(L, i))), "
+        "so it is no table of distances, and its MLP inside the kernel would run once per query-key pair"
+    )
+
     parameter_fields = (
         (r"position\.mlp\.2\.bias", (("num_attention_heads",),)),
         (r"position\.mlp\.0\.weight", (("fire_mlp_width",), ())),
@@ -350,6 +370,7 @@ class FoxScheme(PositionScheme):
 
     key_channels = 1
     compact_form = "key"  # -c_j, a bias per key
+    score_form = "query_key"  # c_{past+i}, then -c_j
     parameter_fields = (  # the forget gate
         (r"fgate_proj\.weight", (("num_attention_heads",), ("hidden_size",))),
         (r"fgate_proj\.bias", (("num_attention_heads",),)),
@@ -380,6 +401,7 @@ class FoxScheme(PositionScheme):
             ctx, query.device, query.dtype, dropout, self.compact_form,
             compact=lambda: fox_key_bias(log_forget),
             dense=lambda: fox_bias(log_forget, ctx.query_length, past_length=ctx.past_length),
+            score=lambda: fox_query_key_bias(log_forget, ctx.query_length, past_length=ctx.past_length),
         )
         # c_j grows along the sequence without bound: the fused path keeps its spread over a chunk of rows small.
         return attend_bias(attn, query, key, value, bias, ctx, self.compact_form, span=KEY_BIAS_SPAN)
@@ -498,6 +520,12 @@ class ShawRelative(nn.Module):
 
 class ShawScheme(PositionScheme):
     """Shaw et al. 2018: learned relative key/value embeddings, distances clipped to ``[-k, k]``."""
+
+    score_form = None
+    score_refusal = (
+        "Shaw et al.'s relative values add to the attention's output, not to its scores, which is all a score "
+        "function can change"
+    )
 
     parameter_fields = ((r"rel_[kv]", (("max_relative_position",), ("head_dim",))),)
 
@@ -647,6 +675,11 @@ class TransformerXLScheme(PositionScheme):
         (r"r_[wr]_bias", (("num_attention_heads",), ("head_dim",))),
     )
     takes_memory = True  # Dai et al.'s segment memory (``mems``), where mem_len > 0
+    score_form = None
+    score_refusal = (
+        "Transformer-XL's position term multiplies each query (plus v) with a projected sinusoid of each distance, "
+        "a [B, H, Q, K] term of the query, not a small table"
+    )
 
     @staticmethod
     def continuous_batching_refusal(config):

@@ -75,7 +75,8 @@ def scheme(request):
 TRANSFORMERS_DEPENDENT = {
     "test_attention_backends", "test_auto_classes", "test_checkpoints", "test_cli", "test_cli_safety", "test_compat",
     "test_configuration_relpos", "test_continuous_batching", "test_corpus", "test_distributed", "test_empty_shapes",
-    "test_export", "test_export_tools", "test_faults", "test_fox", "test_fsdp", "test_generation", "test_inspect",
+    "test_export", "test_export_tools", "test_faults", "test_flex_attention", "test_fox", "test_fsdp", "test_generation",
+    "test_inspect",
     "test_integration", "test_lengthgen", "test_loading_safety", "test_memory", "test_model_card", "test_modeling",
     "test_modeling_fuzz", "test_nothing_lost", "test_position_context", "test_position_schemes", "test_reliability",
     "test_seq2seq", "test_serve", "test_training_limits", "test_transformers_behaviour",

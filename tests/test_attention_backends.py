@@ -77,7 +77,8 @@ def test_a_compact_form_computes_what_its_dense_bias_does(scheme):
     ctx = _captured_context(model, ids, mask)
     position, attn = model.model.position, model.model.layers[0].self_attn
     compact = bias_term(ctx, torch.device("cpu"), torch.float64, 0.0, position.compact_form,
-                        lambda: position.compact(ctx, "cpu", torch.float64), lambda: position.bias(ctx, "cpu", torch.float64))
+                        lambda: position.compact(ctx, "cpu", torch.float64), lambda: position.bias(ctx, "cpu", torch.float64),
+                        lambda: position.bias_by_distance(ctx, "cpu"))
     assert compact.dim() < 4  # the compact form was taken
     dense = position.bias(ctx, "cpu", torch.float64).to(torch.float64)
     dense = torch.where(ctx.full_mask("cpu"), dense, torch.finfo(torch.float64).min)
