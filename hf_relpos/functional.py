@@ -377,6 +377,7 @@ def t5_position_bias(
     return per_distance[:, index].unsqueeze(0)
 
 
+@torch.compiler.assume_constant_result  # a function of its ints alone: traced (torch.compile), a constant
 def t5_saturation_distance(bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128) -> int:
     """The smallest ``s`` from which every distance ``|d| >= s`` (on a side) falls in that side's last bucket.
 
@@ -858,7 +859,8 @@ def causal_key_bias_attention(
         )
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if causal_key_bias_applies(q, k, v, key_bias, attention_mask):
+    # The chunks a span bounds are found on the host (data-dependent): a traced graph takes the exact form.
+    if causal_key_bias_applies(q, k, v, key_bias, attention_mask) and not (span is not None and torch.compiler.is_compiling()):
         return causal_key_bias(q, k, v, key_bias, attention_mask=attention_mask, scale=scale, span=span)
     work = torch.promote_types(key_bias.dtype, torch.float32)
     key_bias = key_bias.to(work) if key_bias.dim() == 3 else key_bias.to(work)[None]

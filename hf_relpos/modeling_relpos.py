@@ -358,9 +358,9 @@ class RelPosPreTrainedModel(PreTrainedModel):
         counted = kwargs.get("shift_labels")
         if counted is None:  # a causal LM's loss shifts its labels; ForMaskedLM's are aligned with the logits
             counted = labels if self.loss_type == "ForMaskedLM" else labels[..., 1:]
-        if bool((counted != kwargs.get("ignore_index", -100)).any()):
-            return loss
-        return loss.nan_to_num(0.0)  # a mean over no label (0 / 0); its gradient is 0, as the logits' are
+        # A mean over no label is 0 / 0: 0 instead, its gradient 0 as the logits' are. Chosen on the device, not
+        # read on the host, so that torch.compile traces the loss whole.
+        return torch.where((counted != kwargs.get("ignore_index", -100)).any(), loss, loss.nan_to_num(0.0))
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors, the config with a complete ``auto_map``, the code files (remote code) and a model card.
