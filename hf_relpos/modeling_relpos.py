@@ -359,8 +359,10 @@ class RelPosPreTrainedModel(PreTrainedModel):
         if counted is None:  # a causal LM's loss shifts its labels; ForMaskedLM's are aligned with the logits
             counted = labels if self.loss_type == "ForMaskedLM" else labels[..., 1:]
         # A mean over no label is 0 / 0: 0 instead, its gradient 0 as the logits' are. Chosen on the device, not
-        # read on the host, so that torch.compile traces the loss whole.
-        return torch.where((counted != kwargs.get("ignore_index", -100)).any(), loss, loss.nan_to_num(0.0))
+        # read on the host, so that torch.compile traces the loss whole; on the loss's device (a device map puts
+        # the labels on the first GPU and the head on the last: Transformers' loss moves them there too).
+        any_counted = (counted != kwargs.get("ignore_index", -100)).any().to(loss.device)
+        return torch.where(any_counted, loss, loss.nan_to_num(0.0))
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save safetensors, the config with a complete ``auto_map``, the code files (remote code) and a model card.
