@@ -860,7 +860,8 @@ def causal_key_bias_attention(
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     # The chunks a span bounds are found on the host (data-dependent): a traced graph takes the exact form.
-    if causal_key_bias_applies(q, k, v, key_bias, attention_mask) and not (span is not None and torch.compiler.is_compiling()):
+    traced_span = span is not None and torch.compiler.is_compiling()
+    if causal_key_bias_applies(q, k, v, key_bias, attention_mask) and not traced_span:
         return causal_key_bias(q, k, v, key_bias, attention_mask=attention_mask, scale=scale, span=span)
     work = torch.promote_types(key_bias.dtype, torch.float32)
     key_bias = key_bias.to(work) if key_bias.dim() == 3 else key_bias.to(work)[None]
