@@ -14,7 +14,10 @@ Transformer-XL's position-dependent query). This module decides how it is comput
 - ``attend_bias``: a compact form in its fused path (``COMPACT_PATHS``), a merged bias through
   ``attend_merged_bias``, kept on CPU SDPA's fused kernel when it needs a gradient;
 - under ``attn_implementation="flex_attention"``, every one of them hands the scheme's score form
-  (``PositionScheme.score_form``: a table of distances, FoX's vectors, or nothing) to ``flex_backend.py``.
+  (``PositionScheme.score_form``: a table of distances, FoX's vectors, or nothing) to ``flex_backend.py``;
+- under ``attn_implementation="relpos_triton"`` (``TRITON``), the scheme's kernel term (``kernel_term``: a table
+  through a distance-to-index vector, a closed form, FoX's vectors, or nothing) and the mask's per-token vectors
+  (``kernel_masks``) to the fused Triton kernel of ``triton_attention.py``, imported on first use.
 """
 
 from typing import Callable, Optional
@@ -29,6 +32,20 @@ from .attention_utils import _exporting
 from .flex_backend import FLEX, cross_block_mask, flex_attend, flex_self_attention
 from .functional import attention_with_bias, causal_key_bias_attention, saturating_bias_attention
 from .position_context import PositionContext
+
+# The fused Triton kernel's name as an attention implementation (triton_attention.py).
+TRITON = "relpos_triton"
+
+
+def _triton_interface(*args, **kwargs):
+    raise ValueError(
+        "attn_implementation='relpos_triton' is hf_relpos' own kernel: its models call it with their position "
+        "term; other models cannot (use 'sdpa')"
+    )
+
+
+# Registered so that Transformers accepts the name (config, from_pretrained, set_attn_implementation).
+ALL_ATTENTION_FUNCTIONS.register(TRITON, _triton_interface)
 
 
 def eager_attention_forward(
@@ -76,7 +93,7 @@ def mask_term(ctx: PositionContext, device) -> Optional[torch.Tensor]:
     """The per-forward term of a scheme without a bias: the bool mask with causality (``full_mask``), or None where
     the kernel masks on its own: SDPA's ``is_causal`` flag (top-left aligned, right only when queries and keys
     coincide or a single query sees every key), FlexAttention's ``BlockMask``."""
-    if ctx.attn_implementation == FLEX:
+    if ctx.attn_implementation in (FLEX, TRITON):
         return None
     if ctx.attn_implementation == "sdpa" and ctx.mask is None and ctx.keys_end_at_query:
         if not ctx.causal or ctx.query_length in (1, ctx.key_length):
@@ -90,6 +107,8 @@ def interface_attention(attn: nn.Module, query, key, value, mask: Optional[torch
     by ``ctx``'s ``BlockMask`` instead, with no score function."""
     if ctx.attn_implementation == FLEX:
         return flex_self_attention(attn, query, key, value, ctx), None
+    if ctx.attn_implementation == TRITON:
+        return triton_self_attention(attn, query, key, value, ctx), None
     interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
     out, weights = interface(
         attn,
@@ -116,6 +135,12 @@ def cross_attention(attn: nn.Module, query, key, value, key_mask: Optional[torch
     if ctx.attn_implementation == FLEX:
         block_mask = cross_block_mask(key_mask, query.shape[2], ctx)
         return flex_attend(attn, query, key, value, block_mask, alive=alive), None
+    if ctx.attn_implementation == TRITON:
+        from .triton_attention import relpos_attention
+
+        valid = None if key_mask is None else key_mask[:, 0, 0, :].expand(query.shape[0], -1).contiguous()
+        out = relpos_attention(query, key, value, scale=attn.scaling, key_valid=valid)
+        return out.transpose(1, 2), None
     interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(ctx.attn_implementation, eager_attention_forward)
     out, weights = interface(
         attn, query, key, value, key_mask,
@@ -147,15 +172,17 @@ def attend_merged_bias(attn: nn.Module, query, key, value, bias: torch.Tensor, c
 
 def bias_term(
     ctx: PositionContext, device, dtype, dropout: float, form: Optional[str], compact: Callable, dense: Callable,
-    score: Callable,
-) -> torch.Tensor:
+    score: Callable, kernel: Optional[Callable] = None,
+):
     """A bias term as the backend computes it: under FlexAttention ``score()``, the small tensor of the scheme's
-    ``score_form``; else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it
+    ``score_form``; under the Triton kernel ``kernel()``, the scheme's kernel term; else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it
     (``cpu_fast_path``, and the path's precision: ``FULL_PRECISION_FORMS``; the scheme returns None where its form
     does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the mask, masked entries at the dtype's
     minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates), and handed to ``attend_bias``."""
     if ctx.attn_implementation == FLEX:
         return score()
+    if ctx.attn_implementation == TRITON:
+        return kernel()
     takes = form is not None and cpu_fast_path(ctx, device, dropout)
     if form in FULL_PRECISION_FORMS and dtype not in (torch.float32, torch.float64):
         takes = False
@@ -198,6 +225,74 @@ def attend_bias(attn: nn.Module, query, key, value, term: torch.Tensor, ctx: Pos
     scheme's ``score_form`` over it. Returns ``([B, Q, H, D], probabilities or None)``."""
     if ctx.attn_implementation == FLEX:
         return flex_self_attention(attn, query, key, value, ctx, ctx.scheme.score_form, term), None
+    if ctx.attn_implementation == TRITON:
+        return triton_self_attention(attn, query, key, value, ctx, term), None
     if form is not None and term.dim() < 4:
         return COMPACT_PATHS[form](attn, query, key, value, term, ctx, span).transpose(1, 2), None
     return attend_merged_bias(attn, query, key, value, term, ctx)
+
+
+def kernel_masks(ctx: PositionContext, device, batch: int):
+    """The mask of ``ctx`` as the Triton kernel takes it, besides causality: ``(key_valid, documents)``, bool and
+    int ``[B, K]`` or None (padding on either side; packed documents, read at ``past + i`` for query ``i``). A mask
+    it cannot take (explicit positions, a prepared 4-D mask, a window, a traced cache offset) is a ValueError."""
+    recipe = ctx.mask_recipe
+    if ctx.traced_offset or ctx.relative_position is not None or (ctx.mask is not None and recipe is None):
+        raise ValueError(
+            "attn_implementation='relpos_triton' takes padding (a 2-D attention_mask) and packed documents, not "
+            "a prepared 4-D attention_mask, a static cache under torch.compile or a continuous-batching step; "
+            "use 'sdpa' for those"
+        )
+    key_valid = documents = None
+    if recipe is not None:
+        if recipe.window is not None:
+            raise ValueError(
+                f"attn_implementation='relpos_triton' has no sliding window, got sliding_window={recipe.window}; "
+                "use 'sdpa' or 'flex_attention'"
+            )
+        key_valid, documents = recipe.padding, recipe.documents
+    if not ctx.causal and not ctx.keys_end_at_query:  # a static cache's slots past the queries hold no key yet
+        filled = (torch.arange(ctx.key_length, device=device) < ctx.past_length + ctx.query_length)[None]
+        key_valid = filled if key_valid is None else key_valid & filled
+    shaped = lambda t: None if t is None else t.to(device).expand(batch, -1).contiguous()  # noqa: E731
+    return shaped(key_valid), shaped(documents)
+
+
+def triton_self_attention(attn: nn.Module, query, key, value, ctx: PositionContext, term=None) -> torch.Tensor:
+    """Self-attention in the fused Triton kernel: the scheme's kernel term ``(name, values, index)`` (None: the
+    mask alone) computed in the kernel, the mask from ``kernel_masks``. Returns ``[B, Q, H, D]``."""
+    from .triton_attention import relpos_attention
+
+    name, values, index = (None, None, None) if term is None else term
+    key_valid, documents = kernel_masks(ctx, query.device, query.shape[0])
+    out = relpos_attention(
+        query, key, value, scale=attn.scaling, causal=ctx.causal, past=ctx.past_length, term=name, values=values,
+        index=index, key_valid=key_valid, documents=documents,
+    )
+    return out.transpose(1, 2)
+
+
+def triton_refusal(scheme_class, config, device=None, training: bool = False) -> Optional[str]:
+    """Why a forward cannot run in the Triton kernel (None when it can): the scheme's term is no function of small
+    tables (its ``score_form`` is None: Shaw's, Transformer-XL's, FIRE's), a sliding window, attention dropout in
+    training, or a device the kernel does not run on (``triton_attention.device_refusal``)."""
+    if scheme_class.score_form is None:
+        return (
+            f"attn_implementation='relpos_triton' does not serve position_encoding={config.position_encoding!r} "
+            f"({scheme_class.score_refusal}); the backends that serve it: 'eager', 'sdpa'"
+        )
+    if config.sliding_window is not None:
+        return (
+            f"attn_implementation='relpos_triton' has no sliding window, got sliding_window={config.sliding_window}; "
+            "use 'sdpa' or 'flex_attention'"
+        )
+    if training and config.attention_dropout > 0:
+        return (
+            f"attn_implementation='relpos_triton' with attention_dropout={config.attention_dropout} in training: the "
+            "kernel has no attention dropout; set attention_dropout=0.0, or use 'sdpa' or 'eager'"
+        )
+    if device is not None:
+        from .triton_attention import device_refusal
+
+        return device_refusal(device)
+    return None

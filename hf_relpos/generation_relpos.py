@@ -76,7 +76,7 @@ class RelPosGenerationMixin(GenerationMixin):
         FlexAttention the bool ``[B, 1, Q, slots]`` mask it renders for SDPA, of one shape at every decoding
         step (a compiled step keeps its graph), which the model's FlexAttention reads in its mask function: a
         ``BlockMask`` would come with neither the model's own masks (packed documents, a window) nor its checks."""
-        if attention_implementation(config) == "flex_attention":
+        if attention_implementation(config) in ("flex_attention", "relpos_triton"):
             config = copy.copy(config)
             config._attn_implementation = "sdpa"
         return create_masks_for_generate(*args, config=config, **kwargs)

@@ -16,11 +16,12 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils.generic import TransformersKwargs
 
+from .attention_backends import TRITON, triton_refusal
 from .flex_backend import flex_refusal
 from .position_context import Geometry, read_cache, unpadded
 from .position_schemes import POSITION_SCHEMES
 
-SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", TRITON)
 
 
 def attention_implementation(config) -> str:
@@ -199,6 +200,17 @@ def _check_setup(model, cache, inputs_embeds=None) -> None:
         )
         refusal = flex_refusal(
             POSITION_SCHEMES[model.config.position_encoding], model.config, model.device, model.training, needs_grad
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
+    if impl == TRITON:
+        if isinstance(cache, PagedAttentionCache):
+            raise ValueError(
+                "attn_implementation='relpos_triton' with a PagedAttentionCache (continuous batching): its steps "
+                "run hf_relpos' own paged path; use 'sdpa' or 'eager'"
+            )
+        refusal = triton_refusal(
+            POSITION_SCHEMES[model.config.position_encoding], model.config, model.device, model.training
         )
         if refusal is not None:
             raise ValueError(refusal)

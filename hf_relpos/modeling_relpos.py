@@ -40,7 +40,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention_backends import cross_attention
+from .attention_backends import TRITON, cross_attention, triton_refusal
 from .configuration_relpos import RelPosConfig
 from .flex_backend import flex_refusal
 from .generation_relpos import CausalLMGenerationMixin, Seq2SeqGenerationMixin
@@ -323,6 +323,15 @@ class RelPosPreTrainedModel(PreTrainedModel):
         if refusal is not None:
             raise ValueError(refusal)
         return super()._flex_attn_can_dispatch(is_init_check)
+
+    def get_correct_attn_implementation(self, requested_attention: Optional[str], is_init_check: bool = False) -> str:
+        """Transformers' check of the requested implementation, and, for the Triton kernel, the scheme's and the
+        config's (the device is checked at the forward, where it is known): one ``ValueError``."""
+        if requested_attention == TRITON:
+            refusal = triton_refusal(POSITION_SCHEMES[self.config.position_encoding], self.config)
+            if refusal is not None:
+                raise ValueError(refusal)
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     @property
     def supports_context_parallel(self) -> bool:

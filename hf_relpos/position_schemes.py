@@ -44,6 +44,8 @@ from .functional import (
     sinusoidal_embedding,
     t5_bias_by_distance,
     t5_position_bias,
+    t5_relative_position_bucket,
+    t5_saturation_distance,
     transformer_xl_attention,
 )
 from .position_context import PositionContext
@@ -166,6 +168,10 @@ class AdditiveBiasScheme(PositionScheme):
         bias = self.bias(row, device, torch.float32)[0, :, 0].float()
         return bias.expand(self.num_heads, -1).contiguous()  # a bias the same for every head (log-decay's)
 
+    def kernel_term(self, ctx: PositionContext, device) -> tuple:
+        """The term as the Triton kernel computes it (``triton_attention.TERMS``): ``(name, values, index)``."""
+        raise NotImplementedError
+
     def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
         """The bias term as the backend computes it: the compact form, the bias merged with the mask, or the
         bias of each distance (FlexAttention)."""
@@ -173,7 +179,7 @@ class AdditiveBiasScheme(PositionScheme):
         return bias_term(
             ctx, device, dtype, dropout, self.compact_form,
             compact=lambda: self.compact(ctx, device, dtype), dense=lambda: self.bias(ctx, device, dtype),
-            score=lambda: self.bias_by_distance(ctx, device),
+            score=lambda: self.bias_by_distance(ctx, device), kernel=lambda: self.kernel_term(ctx, device),
         )
 
     def attend(self, attn, query, key, value, bias, ctx):
@@ -219,6 +225,15 @@ class T5BiasScheme(AdditiveBiasScheme):
         weight = self._weight(device)
         return t5_bias_by_distance(weight, bidirectional=self.bidirectional, max_distance=self.max_distance).to(dtype)
 
+    def kernel_term(self, ctx, device):
+        """The table ``[H, buckets]`` read through the bucket of each distance ``-s .. s`` (constant beyond ``s``),
+        from T5's own bucket function: no logarithm in the kernel, exact at the bucket edges."""
+        weight = self._weight(device)
+        s = t5_saturation_distance(self.bidirectional, weight.shape[0], self.max_distance)
+        distances = torch.arange(-s, s + 1, device=device)
+        buckets = t5_relative_position_bucket(distances, self.bidirectional, weight.shape[0], self.max_distance)
+        return "table", weight.t(), buckets
+
 
 class LogDecayScheme(AdditiveBiasScheme):
     """The fixed bias ``-λ·ln(1 + |i - j|)``, the same for every head."""
@@ -233,6 +248,11 @@ class LogDecayScheme(AdditiveBiasScheme):
             dtype=torch.float32, relative_position=ctx.relative_position,
         )
         return bias[None, None]
+
+    def kernel_term(self, ctx, device):
+        """``-λ·ln(1 + 1·|d|)``: KERPLE's closed form with ``a = λ``, ``c = 1`` for every head."""
+        ones = torch.ones(self.num_heads, device=device)
+        return "log", torch.stack([ones * self.scale, ones]), None
 
 
 class AlibiScheme(AdditiveBiasScheme):
@@ -263,6 +283,11 @@ class AlibiScheme(AdditiveBiasScheme):
             return None
         return alibi_key_bias(alibi_slopes(self.num_heads, device=device, dtype=torch.float64), ctx.key_length)
 
+    def kernel_term(self, ctx, device):
+        """``-m_h·|d|`` in closed form (the second row unused)."""
+        slopes = self.slopes.to(device)
+        return "linear", torch.stack([slopes, torch.zeros_like(slopes)]), None
+
 
 class KerpleLogScheme(AdditiveBiasScheme):
     """Chi et al. 2022 (KERPLE, logarithmic variant): ``-r1_h·ln(1 + r2_h·|i - j|)``, learned ``r1_h, r2_h > 0``."""
@@ -282,13 +307,20 @@ class KerpleLogScheme(AdditiveBiasScheme):
         init.uniform_(self.r2, 0.0, 1.0)
 
     def bias(self, ctx, device, dtype):
-        # Clamped in value, not in gradient (straight through): a parameter below the floor can still come back,
-        # as with KERPLE's in-place clamp of the data; a plain clamp_min would freeze it there for good.
-        r1, r2 = (r + (r.clamp_min(self.floor) - r).detach() for r in (self.r1, self.r2))
+        r1, r2 = self._clamped()
         return kerple_log_bias(
             r1, r2, ctx.query_length, ctx.key_length, past_length=ctx.past_length,
             relative_position=ctx.relative_position,
         )
+
+    def _clamped(self):
+        # Clamped in value, not in gradient (straight through): a parameter below the floor can still come back,
+        # as with KERPLE's in-place clamp of the data; a plain clamp_min would freeze it there for good.
+        return tuple(r + (r.clamp_min(self.floor) - r).detach() for r in (self.r1, self.r2))
+
+    def kernel_term(self, ctx, device):
+        """``-r1_h·ln(1 + r2_h·|d|)`` in closed form; the kernel returns the gradients of ``r1`` and ``r2``."""
+        return "log", torch.stack(self._clamped()).to(device), None
 
 
 class FireScheme(AdditiveBiasScheme):
@@ -402,6 +434,8 @@ class FoxScheme(PositionScheme):
             compact=lambda: fox_key_bias(log_forget),
             dense=lambda: fox_bias(log_forget, ctx.query_length, past_length=ctx.past_length),
             score=lambda: fox_query_key_bias(log_forget, ctx.query_length, past_length=ctx.past_length),
+            kernel=lambda: ("query_key", fox_query_key_bias(log_forget, ctx.query_length, past_length=ctx.past_length),
+                            None),
         )
         # c_j grows along the sequence without bound: the fused path keeps its spread over a chunk of rows small.
         return attend_bias(attn, query, key, value, bias, ctx, self.compact_form, span=KEY_BIAS_SPAN)

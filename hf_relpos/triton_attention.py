@@ -415,7 +415,8 @@ def _attention_op(
 
 @_attention_op.register_fake
 def _(q, k, v, term, index, key_valid, documents, kind, scale, causal, past):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # Contiguous, as the kernel writes them (empty_like would keep a transposed query's strides).
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("hf_relpos::relpos_attention_backward", mutates_args=())
@@ -437,7 +438,7 @@ def _(q, k, v, out, lse, grad_out, term, index, key_valid, documents, kind, scal
     grad_term = q.new_empty(0, dtype=torch.float32)
     if term_grad and term is not None and kind != 0:
         grad_term = term.new_empty(term.shape, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grad_term
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grad_term
 
 
 def _setup_context(ctx, inputs, output):

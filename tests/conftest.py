@@ -11,6 +11,10 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 # pytest-xdist worker already has a core of its own (measured with a warm inductor cache: the compile tests of
 # test_modeling 50 s instead of 54 s; not measured cold).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The Triton kernel (attn_implementation="relpos_triton", with the optional extra installed) runs on CPU tensors
+# through Triton's interpreter, which Triton reads when a kernel is defined: set before hf_relpos is imported.
+# A machine with a GPU sets TRITON_INTERPRET=0 to test the compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # Remote code is copied into HF_MODULES_CACHE under the folder's base name; two test processes (pytest-xdist
 # workers, or two runs) loading folders of the same name would write the same files at once. Each test process
 # gets its own cache (its subprocesses inherit it), set before Transformers reads it at import, and removes it.
@@ -80,14 +84,15 @@ TRANSFORMERS_DEPENDENT = {
     "test_integration", "test_lengthgen", "test_loading_safety", "test_memory", "test_model_card", "test_modeling",
     "test_modeling_fuzz", "test_nothing_lost", "test_position_context", "test_position_schemes", "test_reliability",
     "test_seq2seq", "test_serve", "test_training_limits", "test_transformers_behaviour",
+    "test_triton_backend",
 }
 # The rest, run on the development pin and the newest: the math and its CPU kernels against float64 oracles
 # (Transformers only as a fixed reference: T5's bucket function, BLOOM's ALiBi), the worked example, the import
 # graph, packaging, and the documentation pages (whose commands the modules above run on the oldest too).
 TRANSFORMERS_INDEPENDENT = {
-    "test_attention_with_bias", "test_bias_band", "test_demo_biases", "test_docs", "test_functional",
+    "test_attention_with_bias", "test_bench_gpu", "test_bias_band", "test_demo_biases", "test_docs", "test_functional",
     "test_functional_fuzz", "test_import_graph", "test_kernels", "test_key_bias", "test_packaging",
-    "test_shaw_banded", "test_txl_chunked",
+    "test_shaw_banded", "test_triton_aot", "test_triton_attention", "test_txl_chunked",
 }
 
 
