@@ -76,11 +76,23 @@ def device_refusal(device) -> Optional[str]:
 if triton is not None:
 
     @triton.jit
-    def _term(KIND: tl.constexpr, d, b, h, offs_m, offs_n, T, IDX, R, NB, QL, KL, H):
-        """The position term of a ``[BM, BN]`` tile of distances ``d``, float32."""
+    def _entry(IDX, at, NB):
+        """The table entry of ``index[at]``, kept inside the table (the index is the library's own; checking its
+        values on the host would stall a GPU)."""
+        return tl.minimum(tl.maximum(tl.load(IDX + at), 0), NB - 1)
+
+    @triton.jit
+    def _term(KIND: tl.constexpr, d, b, h, offs_m, offs_n, T, IDX, R, NB, QL, KL, H, nearest, farthest):
+        """The position term of a ``[BM, BN]`` tile of distances ``d`` (from ``nearest`` to ``farthest``), float32."""
         if KIND == 1:  # a table read through the distance-to-index vector
-            column = tl.load(IDX + tl.minimum(tl.maximum(d, -R), R) + R)
-            return tl.load(T + h * NB + column)
+            if farthest < -R:  # beyond R on the left throughout: one entry, no gather
+                term = tl.zeros(d.shape, tl.float32) + tl.load(T + h * NB + _entry(IDX, 0, NB))
+            elif nearest > R:
+                term = tl.zeros(d.shape, tl.float32) + tl.load(T + h * NB + _entry(IDX, 2 * R, NB))
+            else:
+                column = tl.load(IDX + tl.minimum(tl.maximum(d, -R), R) + R)
+                term = tl.load(T + h * NB + tl.minimum(tl.maximum(column, 0), NB - 1))
+            return term
         elif KIND == 2:  # -a ln(1 + c|d|)
             a = tl.load(T + h)
             c = tl.load(T + H + h)
@@ -122,9 +134,9 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        Q, K, V, OUT, LSE, T, IDX, KV, DOC,
+        Q, K, V, OUT, LSE, OUT32, T, IDX, KV, DOC,
         H, QL, KL, D, past, R, NB, scale,
-        KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, HAS_DOC: tl.constexpr,
+        KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, HAS_DOC: tl.constexpr, KEEP32: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ):
         start_m = tl.program_id(0) * BM
@@ -147,7 +159,8 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             d = offs_n[None, :] - (offs_m[:, None] + past)
             if KIND != 0:
-                s += _term(KIND, d, b, h, offs_m, offs_n, T, IDX, R, NB, QL, KL, H)
+                nearest = start_n - (start_m + BM - 1 + past)
+                s += _term(KIND, d, b, h, offs_m, offs_n, T, IDX, R, NB, QL, KL, H, nearest, nearest + BM + BN - 2)
             keep = _keep(offs_m, offs_n, d, b, past, QL, KL, KV, DOC, CAUSAL, HAS_VALID, HAS_DOC)
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -164,17 +177,20 @@ if triton is not None:
         lse = tl.where(alive, m_i + tl.log(tl.where(alive, l_i, 1.0)), float("inf"))
         mask = (offs_m < QL)[:, None] & (offs_d < D)[None, :]
         tl.store(OUT + bh * QL * D + offs_m[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+        if KEEP32:  # the unrounded output, for the backward's delta (see _forward)
+            tl.store(OUT32 + bh * QL * D + offs_m[:, None] * D + offs_d[None, :], out, mask=mask)
         tl.store(LSE + bh * QL + offs_m, lse, mask=offs_m < QL)
 
     @triton.jit
-    def _scores_grad(q, k, v, do, lse, delta, offs_m, offs_n, b, h, T, IDX, KV, DOC, H, QL, KL, past, R, NB, scale,
-                     KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr, HAS_DOC: tl.constexpr,
-                     PRECISION: tl.constexpr):
+    def _scores_grad(q, k, v, do, lse, delta, start_m, start_n, offs_m, offs_n, b, h, T, IDX, KV, DOC, H, QL, KL,
+                     past, R, NB, scale, KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_VALID: tl.constexpr,
+                     HAS_DOC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr):
         """A tile's probabilities ``p`` and the gradient ``ds = p·(dp - delta)`` of its scores (with the term)."""
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         d = offs_n[None, :] - (offs_m[:, None] + past)
         if KIND != 0:
-            s += _term(KIND, d, b, h, offs_m, offs_n, T, IDX, R, NB, QL, KL, H)
+            nearest = start_n - (start_m + BM - 1 + past)
+            s += _term(KIND, d, b, h, offs_m, offs_n, T, IDX, R, NB, QL, KL, H, nearest, nearest + BM + BN - 2)
         keep = _keep(offs_m, offs_n, d, b, past, QL, KL, KV, DOC, CAUSAL, HAS_VALID, HAS_DOC)
         p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -218,8 +234,8 @@ if triton is not None:
             do = _load_rows(DO + bh * QL * D, offs_m, QL, offs_d, D, UPCAST)
             lse = tl.load(LSE + bh * QL + offs_m, mask=offs_m < QL, other=float("inf"))
             delta = tl.load(DELTA + bh * QL + offs_m, mask=offs_m < QL, other=0.0)
-            p, ds, d = _scores_grad(q, k, v, do, lse, delta, offs_m, offs_n, b, h, T, IDX, KV, DOC, H, QL, KL, past,
-                                    R, NB, scale, KIND, CAUSAL, HAS_VALID, HAS_DOC, PRECISION)
+            p, ds, d = _scores_grad(q, k, v, do, lse, delta, start_m, start_n, offs_m, offs_n, b, h, T, IDX, KV, DOC,
+                                    H, QL, KL, past, R, NB, scale, KIND, CAUSAL, HAS_VALID, HAS_DOC, BM, BN, PRECISION)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
             if TERM_GRAD:
@@ -241,6 +257,7 @@ if triton is not None:
                         diagonal = tl.sum(tl.where(inside, skewed, 0.0), 0)
                         distance = nearest + tl.arange(0, 2 * BN)
                         column = tl.load(IDX + tl.minimum(tl.maximum(distance, -R), R) + R)
+                        column = tl.minimum(tl.maximum(column, 0), NB - 1)
                         table += tl.sum(tl.where(column[:, None] == entries[None, :], diagonal[:, None], 0.0), 0)
                 elif KIND == 2:
                     a = tl.load(T + h)
@@ -259,8 +276,8 @@ if triton is not None:
         if TERM_GRAD:
             blocks = tl.num_programs(0)
             if KIND == 1:
-                table += tl.where(entries == tl.load(IDX), left, 0.0)
-                table += tl.where(entries == tl.load(IDX + 2 * R), right, 0.0)
+                table += tl.where(entries == _entry(IDX, 0, NB), left, 0.0)
+                table += tl.where(entries == _entry(IDX, 2 * R, NB), right, 0.0)
                 tl.store(GT + (bh * blocks + block) * NBP + entries, table)
             elif KIND == 2 or KIND == 3:
                 tl.store(GT + (bh * blocks + block) * 2, grad_a)
@@ -298,8 +315,8 @@ if triton is not None:
             offs_n = start_n + tl.arange(0, BN)
             k = _load_rows(K + bh * KL * D, offs_n, KL, offs_d, D, UPCAST)
             v = _load_rows(V + bh * KL * D, offs_n, KL, offs_d, D, UPCAST)
-            p, ds, d = _scores_grad(q, k, v, do, lse, delta, offs_m, offs_n, b, h, T, IDX, KV, DOC, H, QL, KL, past,
-                                    R, NB, scale, KIND, CAUSAL, HAS_VALID, HAS_DOC, PRECISION)
+            p, ds, d = _scores_grad(q, k, v, do, lse, delta, start_m, start_n, offs_m, offs_n, b, h, T, IDX, KV, DOC,
+                                    H, QL, KL, past, R, NB, scale, KIND, CAUSAL, HAS_VALID, HAS_DOC, BM, BN, PRECISION)
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
             if TERM_GRAD and KIND == 4:
                 row_sum += tl.sum(ds, 1)
@@ -334,29 +351,34 @@ def _common(term, index, key_valid, documents, q):
     return table, idx, valid, doc
 
 
-def _flags(kind: int, term, index, key_valid, documents):
+def _flags(kind: int, term, index):
+    """``R`` of the distance-to-index vector ``[2R + 1]`` and the table's entries ``NB`` (``"table"`` only)."""
     radius = 0 if index is None else (index.shape[0] - 1) // 2
     entries = term.shape[-1] if kind == 1 else 1
     return radius, entries
 
 
-def _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, past):
+def _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, past, keep32):
+    """The output, the log-sum-exp of each row, and with ``keep32`` the output in float32: the backward's
+    ``delta_i = do_i·o_i`` from a float16/bfloat16 output is off by its rounding, which cancels in ``dq, dk`` but not
+    in a term's gradient, a sum over all pairs (KERPLE's r1 off by 5e-3 in float16, 8e-2 in bfloat16)."""
     batch, heads, q_length, head_dim = q.shape
     k_length = k.shape[2]
     block, padded, upcast, precision = _setup(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, q_length, device=q.device, dtype=torch.float32)
+    out32 = torch.empty(q.shape if keep32 else 0, device=q.device, dtype=torch.float32)
     table, idx, valid, doc = _common(term, index, key_valid, documents, q)
-    radius, entries = _flags(kind, term, index, key_valid, documents)
+    radius, entries = _flags(kind, term, index)
     grid = (triton.cdiv(q_length, block), batch * heads)
     _forward_kernel[grid](
-        q, k, v, out, lse, table, idx, valid, doc,
+        q, k, v, out, lse, out32, table, idx, valid, doc,
         heads, q_length, k_length, head_dim, past, radius, entries, scale,
-        KIND=kind, CAUSAL=causal, HAS_VALID=key_valid is not None, HAS_DOC=documents is not None,
+        KIND=kind, CAUSAL=causal, HAS_VALID=key_valid is not None, HAS_DOC=documents is not None, KEEP32=keep32,
         BM=block, BN=block, DP=padded, UPCAST=upcast, PRECISION=precision,
     )
-    return out, lse
+    return out, lse, out32
 
 
 def _backward(q, k, v, out, lse, grad_out, term, index, key_valid, documents, kind, scale, causal, past, term_grad):
@@ -367,7 +389,7 @@ def _backward(q, k, v, out, lse, grad_out, term, index, key_valid, documents, ki
     delta = (grad_out.float() * out.float()).sum(-1)  # D_i = do_i · o_i (FlashAttention-2, Alg. 2 line 4)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     table, idx, valid, doc = _common(term, index, key_valid, documents, q)
-    radius, entries = _flags(kind, term, index, key_valid, documents)
+    radius, entries = _flags(kind, term, index)
     blocks = triton.cdiv(k_length, block)
     term_grad = term_grad and kind != 0
     padded_entries = triton.next_power_of_2(entries)
@@ -404,22 +426,33 @@ def _backward(q, k, v, out, lse, grad_out, term, index, key_valid, documents, ki
 # ----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("hf_relpos::relpos_attention", mutates_args=())
+def _free_op_name(base: str) -> str:
+    """``hf_relpos::base``, or ``base_2``, ... when taken: a model's remote code copy of this module (loaded beside
+    hf_relpos in one process) defines its ops again, and an op name can be registered once only."""
+    name, n = base, 1
+    while hasattr(torch.ops.hf_relpos, name):
+        n += 1
+        name = f"{base}_{n}"
+    return f"hf_relpos::{name}"
+
+
+@torch.library.custom_op(_free_op_name("relpos_attention"), mutates_args=())
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, term: Optional[torch.Tensor], index: Optional[torch.Tensor],
     key_valid: Optional[torch.Tensor], documents: Optional[torch.Tensor], kind: int, scale: float, causal: bool,
-    past: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, past)
+    past: int, keep32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, past, keep32)
 
 
 @_attention_op.register_fake
-def _(q, k, v, term, index, key_valid, documents, kind, scale, causal, past):
+def _(q, k, v, term, index, key_valid, documents, kind, scale, causal, past, keep32):
     # Contiguous, as the kernel writes them (empty_like would keep a transposed query's strides).
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    out32 = q.new_empty(q.shape if keep32 else 0, dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32), out32
 
 
-@torch.library.custom_op("hf_relpos::relpos_attention_backward", mutates_args=())
+@torch.library.custom_op(_free_op_name("relpos_attention_backward"), mutates_args=())
 def _attention_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
     term: Optional[torch.Tensor], index: Optional[torch.Tensor], key_valid: Optional[torch.Tensor],
@@ -442,20 +475,20 @@ def _(q, k, v, out, lse, grad_out, term, index, key_valid, documents, kind, scal
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, term, index, key_valid, documents, kind, scale, causal, past = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, term, index, key_valid, documents)
+    q, k, v, term, index, key_valid, documents, kind, scale, causal, past, keep32 = inputs
+    out, lse, out32 = output
+    ctx.save_for_backward(q, k, v, out32 if keep32 else out, lse, term, index, key_valid, documents)
     ctx.kind, ctx.scale, ctx.causal, ctx.past = kind, scale, causal, past
 
 
-def _backward_rule(ctx, grad_out, grad_lse):
+def _backward_rule(ctx, grad_out, grad_lse, grad_out32):
     q, k, v, out, lse, term, index, key_valid, documents = ctx.saved_tensors
     term_grad = term is not None and ctx.needs_input_grad[3]
     dq, dk, dv, grad_term = _attention_backward_op(
         q, k, v, out, lse, grad_out, term, index, key_valid, documents, ctx.kind, ctx.scale, ctx.causal, ctx.past,
         term_grad,
     )
-    return dq, dk, dv, (grad_term.to(term.dtype) if term_grad else None), None, None, None, None, None, None, None
+    return dq, dk, dv, (grad_term.to(term.dtype) if term_grad else None), *[None] * 8
 
 
 _attention_op.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -478,8 +511,40 @@ def relpos_attention(
     refusal = device_refusal(q.device)
     if refusal is not None:
         raise ValueError(refusal)
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"q, k and v must be float16, bfloat16 or float32, got {q.dtype}")
-    out, _ = _attention_op(q, k, v, values, index, key_valid, documents, TERMS[term], float(scale), bool(causal),
-                           int(past))
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            "q must be [B, H, Q, D] and k, v [B, H, K, D] (the same B, H, D), got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q, k and v must share one of float16, bfloat16, float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_shapes(q, k, term, values, index, key_valid, documents, past)
+    # A term's gradient from half-precision inputs takes the backward's delta from the float32 output (_forward).
+    keep32 = q.dtype != torch.float32 and values is not None and values.requires_grad and torch.is_grad_enabled()
+    out, _, _ = _attention_op(q, k, v, values, index, key_valid, documents, TERMS[term], float(scale), bool(causal),
+                              int(past), keep32)
     return out
+
+
+def _check_shapes(q, k, term, values, index, key_valid, documents, past) -> None:
+    """The term's tensors, the masks and ``past`` against q ``[B, H, Q, D]`` and k ``[B, H, K, D]``: one ValueError
+    naming the argument (the kernel reads them by these sizes). A CPU index's entries are checked too; on a GPU
+    the kernel keeps them inside the table instead (reading them on the host would stall it)."""
+    batch, heads, q_length, k_length = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    expected = {"table": None, "log": (2, heads), "linear": (2, heads), "query_key": (batch, heads, 2, q_length + k_length)}
+    if term == "table":
+        if values.dim() != 2 or values.shape[0] != heads or values.shape[1] < 1:
+            raise ValueError(f"values of term='table' must be [heads={heads}, entries], got {tuple(values.shape)}")
+        if index.dim() != 1 or index.shape[0] % 2 != 1 or index.is_floating_point():
+            raise ValueError(f"index must be integer [2R + 1], one entry per distance -R .. R, got {index.dtype} "
+                             f"{tuple(index.shape)}")
+        if index.device.type == "cpu" and index.numel() and (int(index.min()) < 0 or int(index.max()) >= values.shape[1]):
+            raise ValueError(f"index entries must lie in [0, {values.shape[1]}), got {int(index.min())} .. "
+                             f"{int(index.max())}")
+    elif term is not None and tuple(values.shape) != expected[term]:
+        raise ValueError(f"values of term={term!r} must be {list(expected[term])}, got {list(values.shape)}")
+    for name, mask in (("key_valid", key_valid), ("documents", documents)):
+        if mask is not None and tuple(mask.shape) != (batch, k_length):
+            raise ValueError(f"{name} must be [batch={batch}, keys={k_length}], got {list(mask.shape)}")
+    if isinstance(past, bool) or not isinstance(past, int) or past < 0:
+        raise ValueError(f"past must be an int >= 0, got {past!r}")
