@@ -528,8 +528,9 @@ def relpos_attention(
 
 def _check_shapes(q, k, term, values, index, key_valid, documents, past) -> None:
     """The term's tensors, the masks and ``past`` against q ``[B, H, Q, D]`` and k ``[B, H, K, D]``: one ValueError
-    naming the argument (the kernel reads them by these sizes). A CPU index's entries are checked too; on a GPU
-    the kernel keeps them inside the table instead (reading them on the host would stall it)."""
+    naming the argument (the kernel reads them by these sizes). A CPU index's entries are checked too, in eager calls;
+    on a GPU, and traced, the kernel keeps them inside the table instead (a host read would stall the GPU, or break
+    the trace)."""
     batch, heads, q_length, k_length = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     expected = {"table": None, "log": (2, heads), "linear": (2, heads), "query_key": (batch, heads, 2, q_length + k_length)}
     if term == "table":
@@ -538,7 +539,8 @@ def _check_shapes(q, k, term, values, index, key_valid, documents, past) -> None
         if index.dim() != 1 or index.shape[0] % 2 != 1 or index.is_floating_point():
             raise ValueError(f"index must be integer [2R + 1], one entry per distance -R .. R, got {index.dtype} "
                              f"{tuple(index.shape)}")
-        if index.device.type == "cpu" and index.numel() and (int(index.min()) < 0 or int(index.max()) >= values.shape[1]):
+        read = index.device.type == "cpu" and not torch.compiler.is_compiling()  # a host read: eager CPU calls only
+        if read and index.numel() and (int(index.min()) < 0 or int(index.max()) >= values.shape[1]):
             raise ValueError(f"index entries must lie in [0, {values.shape[1]}), got {int(index.min())} .. "
                              f"{int(index.max())}")
     elif term is not None and tuple(values.shape) != expected[term]:
