@@ -44,10 +44,22 @@ except ImportError:  # pragma: no cover - the suite skips without it
 
 # The position terms the kernel computes (see the module docstring), by name, and their codes in the kernel.
 TERMS = {None: 0, "table": 1, "log": 2, "linear": 3, "query_key": 4}
-# Tile sizes: on a GPU 64 x 64 (a head_dim up to 128 in registers); under the interpreter, where every program runs
-# one after another in numpy, small tiles keep the tests short while still crossing tiles.
-GPU_BLOCK = 64
-INTERPRETER_BLOCK = 16
+# Tiles (query rows BM x key columns BN), warps and pipeline stages per kernel on a GPU, chosen with
+# scripts/triton_aot.py so that no forward spills a register at head sizes up to 128 on sm_80 and sm_90 (4 warps
+# spilled 128-456 bytes, 3 stages 8-48): the backward over keys walks query tiles of 32 for its key block of 64,
+# the backward over queries key tiles of 32 (64 x 64 spilled up to 2 KB). Under the interpreter, where every
+# program runs one after another in numpy, tiles of 16 (8 across the inner loop of each backward, as on a GPU
+# smaller than the outer block) keep the tests short while still crossing tiles.
+GPU_LAUNCH = {
+    "forward": dict(BM=64, BN=64, num_warps=8, num_stages=2),
+    "backward_kv": dict(BM=32, BN=64, num_warps=8, num_stages=2),
+    "backward_q": dict(BM=64, BN=32, num_warps=8, num_stages=2),
+}
+INTERPRETER_LAUNCH = {
+    "forward": dict(BM=16, BN=16),
+    "backward_kv": dict(BM=8, BN=16),
+    "backward_q": dict(BM=16, BN=8),
+}
 
 
 def interpreting() -> bool:
@@ -247,8 +259,9 @@ if triton is not None:
                     elif nearest > R:
                         right += tl.sum(tl.sum(ds, 1), 0)
                     else:
-                        # Diagonal sums: skew row i by i (column t of the skewed tile is distance nearest + t),
-                        # then sum the columns; each diagonal's entry through the index.
+                        # Diagonal sums: skew row i by i (column t of the skewed tile is distance nearest + t, t <
+                        # BM + BN - 1 <= 2 BN), then sum the columns; each diagonal's entry through the index.
+                        tl.static_assert(BM <= BN + 1)
                         rows = tl.arange(0, BM)[:, None]
                         t = tl.arange(0, 2 * BN)[None, :]
                         source = rows + t - (BM - 1)
@@ -329,16 +342,19 @@ if triton is not None:
             tl.store(base + QL + KL, row_sum, mask=offs_m < QL)
 
 
+def launch(kernel: str) -> dict:
+    """The tiles (``BM``, ``BN``) and, on a GPU, ``num_warps`` and ``num_stages`` of ``kernel``'s launch."""
+    return dict((INTERPRETER_LAUNCH if interpreting() else GPU_LAUNCH)[kernel])
+
+
 def _setup(q: torch.Tensor):
-    """Tile sizes, padded head size, and the dtype flags of a launch."""
-    block = INTERPRETER_BLOCK if interpreting() else GPU_BLOCK
-    head_dim = q.shape[-1]
-    padded = max(16, triton.next_power_of_2(head_dim))
+    """Padded head size, and the dtype flags of a launch."""
+    padded = max(16, triton.next_power_of_2(q.shape[-1]))
     # The interpreter multiplies bfloat16 bit patterns in tl.dot: upcast there. float32 inputs: exact products (IEEE),
     # not TF32's 10-bit mantissa.
     upcast = interpreting() and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    return block, padded, upcast, precision
+    return padded, upcast, precision
 
 
 def _common(term, index, key_valid, documents, q):
@@ -364,19 +380,20 @@ def _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, pa
     in a term's gradient, a sum over all pairs (KERPLE's r1 off by 5e-3 in float16, 8e-2 in bfloat16)."""
     batch, heads, q_length, head_dim = q.shape
     k_length = k.shape[2]
-    block, padded, upcast, precision = _setup(q)
+    padded, upcast, precision = _setup(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, q_length, device=q.device, dtype=torch.float32)
     out32 = torch.empty(q.shape if keep32 else 0, device=q.device, dtype=torch.float32)
     table, idx, valid, doc = _common(term, index, key_valid, documents, q)
     radius, entries = _flags(kind, term, index)
-    grid = (triton.cdiv(q_length, block), batch * heads)
+    config = launch("forward")
+    grid = (triton.cdiv(q_length, config["BM"]), batch * heads)
     _forward_kernel[grid](
         q, k, v, out, lse, out32, table, idx, valid, doc,
         heads, q_length, k_length, head_dim, past, radius, entries, scale,
         KIND=kind, CAUSAL=causal, HAS_VALID=key_valid is not None, HAS_DOC=documents is not None, KEEP32=keep32,
-        BM=block, BN=block, DP=padded, UPCAST=upcast, PRECISION=precision,
+        DP=padded, UPCAST=upcast, PRECISION=precision, **config,
     )
     return out, lse, out32
 
@@ -384,13 +401,14 @@ def _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, pa
 def _backward(q, k, v, out, lse, grad_out, term, index, key_valid, documents, kind, scale, causal, past, term_grad):
     batch, heads, q_length, head_dim = q.shape
     k_length = k.shape[2]
-    block, padded, upcast, precision = _setup(q)
+    padded, upcast, precision = _setup(q)
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1)  # D_i = do_i · o_i (FlashAttention-2, Alg. 2 line 4)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     table, idx, valid, doc = _common(term, index, key_valid, documents, q)
     radius, entries = _flags(kind, term, index)
-    blocks = triton.cdiv(k_length, block)
+    over_keys, over_queries = launch("backward_kv"), launch("backward_q")
+    blocks = triton.cdiv(k_length, over_keys["BN"])
     term_grad = term_grad and kind != 0
     padded_entries = triton.next_power_of_2(entries)
     if not term_grad:
@@ -402,13 +420,14 @@ def _backward(q, k, v, out, lse, grad_out, term, index, key_valid, documents, ki
     else:
         partial = torch.zeros(batch, heads, 2, q_length + k_length, device=q.device, dtype=torch.float32)
     flags = dict(KIND=kind, CAUSAL=causal, HAS_VALID=key_valid is not None, HAS_DOC=documents is not None,
-                 TERM_GRAD=term_grad, BM=block, BN=block, DP=padded, UPCAST=upcast, PRECISION=precision)
+                 TERM_GRAD=term_grad, DP=padded, UPCAST=upcast, PRECISION=precision)
     sizes = (heads, q_length, k_length, head_dim, past, radius, entries, scale)
     _backward_kv_kernel[(blocks, batch * heads)](
-        q, k, v, grad_out, lse, delta, dk, dv, table, idx, valid, doc, partial, *sizes, NBP=padded_entries, **flags
+        q, k, v, grad_out, lse, delta, dk, dv, table, idx, valid, doc, partial, *sizes, NBP=padded_entries, **flags,
+        **over_keys,
     )
-    _backward_q_kernel[(triton.cdiv(q_length, block), batch * heads)](
-        q, k, v, grad_out, lse, delta, dq, table, idx, valid, doc, partial, *sizes, **flags
+    _backward_q_kernel[(triton.cdiv(q_length, over_queries["BM"]), batch * heads)](
+        q, k, v, grad_out, lse, delta, dq, table, idx, valid, doc, partial, *sizes, **flags, **over_queries
     )
     if not term_grad:
         grad_term = None
@@ -532,7 +551,7 @@ def _check_shapes(q, k, term, values, index, key_valid, documents, past) -> None
     on a GPU, and traced, the kernel keeps them inside the table instead (a host read would stall the GPU, or break
     the trace)."""
     batch, heads, q_length, k_length = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    expected = {"table": None, "log": (2, heads), "linear": (2, heads), "query_key": (batch, heads, 2, q_length + k_length)}
+    expected = {"log": (2, heads), "linear": (2, heads), "query_key": (batch, heads, 2, q_length + k_length)}
     if term == "table":
         if values.dim() != 2 or values.shape[0] != heads or values.shape[1] < 1:
             raise ValueError(f"values of term='table' must be [heads={heads}, entries], got {tuple(values.shape)}")

@@ -7,7 +7,7 @@ al. 2025); outputs and every gradient (q, k, v, the table, r1 and r2, the slopes
 multiple of the tile, in float32, float16 and bfloat16; dead rows; the table's far-tile branch; determinism.
 
 Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before
-Triton is imported), on CPU tensors with 16 x 16 tiles.
+Triton is imported), on CPU tensors with tiles of 16 (8 across the inner loop of each backward).
 """
 
 import math
@@ -29,7 +29,8 @@ else:
     pytest.skip("the Triton kernel needs CUDA, or TRITON_INTERPRET=1 before Triton is imported",
                 allow_module_level=True)
 
-BLOCK = TA.INTERPRETER_BLOCK if TA.interpreting() else TA.GPU_BLOCK
+# The tiles of the backward over keys, which sums the table's gradient: query rows x key columns.
+TILE_M, TILE_N = TA.launch("backward_kv")["BM"], TA.launch("backward_kv")["BN"]
 # Relative error bounds (max abs error / max abs reference). bfloat16 keeps 8 significant bits: up to 3.9e-3 per
 # rounding (of the output, and on a GPU of p and ds before their products; the interpreter computes bfloat16 in
 # float32 and truncates the output instead of rounding it, up to 7.8e-3): 2e-2.
@@ -342,10 +343,10 @@ def test_a_query_terms_gradient_is_zero(dtype, bound):
 def test_t5_table_gradient_across_far_and_near_tiles(causal, num_buckets, past):
     """T5 with R = max_distance = 20 and 4 tiles of keys: tiles wholly beyond ±R (their sum goes to the edge
     entry) and tiles across the band (diagonal sums); the table's gradient as the oracle's."""
-    K = 4 * BLOCK
+    K = 4 * TILE_N
     Q = K - past
     d = distances(Q, K, past)
-    tiles = [d[m:m + BLOCK, n:n + BLOCK] for m in range(0, Q, BLOCK) for n in range(0, K, BLOCK)]
+    tiles = [d[m:m + TILE_M, n:n + TILE_N] for m in range(0, Q, TILE_M) for n in range(0, K, TILE_N)]
     visible = [t for t in tiles if not causal or (t <= 0).any()]
     # The geometry reaches every branch of the kernel's table gradient.
     assert any((t < -T5_MAX_DISTANCE).all() for t in visible)
@@ -363,7 +364,7 @@ def test_t5_table_gradient_across_far_and_near_tiles(causal, num_buckets, past):
 def test_backward_is_deterministic(term):
     """Two backward passes give bitwise-equal gradients (no floating-point atomics); 4 tiles of keys, so that the
     table's gradient takes both its far-tile and its diagonal sums."""
-    B, H, Q, D, past = 1, 2, 4 * BLOCK, 8, 0
+    B, H, Q, D, past = 1, 2, 4 * TILE_N, 8, 0
     g = gen(5)
     leaves, kernel, _, _ = make_term(term, g, B, H, Q, Q, past, True)
     q, k, v = (torch.randn(B, H, Q, D, generator=g) for _ in range(3))

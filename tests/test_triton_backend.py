@@ -173,7 +173,8 @@ def test_fullgraph_compile_of_a_training_step(scheme):
 @pytest.mark.parametrize("scheme", REFUSED)
 def test_schemes_the_kernel_does_not_serve_are_refused(scheme):
     model = build(scheme)
-    pattern = rf"relpos_triton' does not serve position_encoding='{scheme}'.*the backends that serve it: 'eager', 'sdpa'"
+    pattern = rf"relpos_triton' does not serve position_encoding='{scheme}'.*the backends that serve it: 'eager', "
+    pattern += "'sdpa'"
     with pytest.raises(ValueError, match=pattern):
         model.set_attn_implementation(TRITON)
     config = RelPosConfig(position_encoding=scheme, **PRESETS["modeling"])
