@@ -175,14 +175,18 @@ def bias_term(
     score: Callable, kernel: Optional[Callable] = None,
 ):
     """A bias term as the backend computes it: under FlexAttention ``score()``, the small tensor of the scheme's
-    ``score_form``; under the Triton kernel ``kernel()``, the scheme's kernel term; else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it
+    ``score_form``; under the Triton kernel ``kernel`` itself, which each layer calls for the scheme's kernel term;
+    else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it
     (``cpu_fast_path``, and the path's precision: ``FULL_PRECISION_FORMS``; the scheme returns None where its form
     does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the mask, masked entries at the dtype's
     minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates), and handed to ``attend_bias``."""
     if ctx.attn_implementation == FLEX:
         return score()
     if ctx.attn_implementation == TRITON:
-        return kernel()
+        # Made in each layer (attend_bias calls it): a learned term's graph then lies inside the layer, which
+        # reentrant activation checkpointing recomputes; a tuple made once per forward would reach the layers as
+        # no tensor, and the second layer's backward would run through the first's freed graph.
+        return kernel
     takes = form is not None and cpu_fast_path(ctx, device, dropout)
     if form in FULL_PRECISION_FORMS and dtype not in (torch.float32, torch.float64):
         takes = False
@@ -226,7 +230,7 @@ def attend_bias(attn: nn.Module, query, key, value, term: torch.Tensor, ctx: Pos
     if ctx.attn_implementation == FLEX:
         return flex_self_attention(attn, query, key, value, ctx, ctx.scheme.score_form, term), None
     if ctx.attn_implementation == TRITON:
-        return triton_self_attention(attn, query, key, value, ctx, term), None
+        return triton_self_attention(attn, query, key, value, ctx, term()), None
     if form is not None and term.dim() < 4:
         return COMPACT_PATHS[form](attn, query, key, value, term, ctx, span).transpose(1, 2), None
     return attend_merged_bias(attn, query, key, value, term, ctx)
@@ -234,15 +238,18 @@ def attend_bias(attn: nn.Module, query, key, value, term: torch.Tensor, ctx: Pos
 
 def kernel_masks(ctx: PositionContext, device, batch: int):
     """The mask of ``ctx`` as the Triton kernel takes it, besides causality: ``(key_valid, documents)``, bool and
-    int ``[B, K]`` or None (padding on either side; packed documents, read at ``past + i`` for query ``i``). A mask
-    it cannot take (explicit positions, a prepared 4-D mask, a window, a traced cache offset) is a ValueError."""
+    int ``[B, K]`` or None (padding on either side; packed documents, read at ``past + i`` for query ``i``; a static
+    cache's unfilled slots invalid). A mask it cannot take is one ValueError saying which."""
     recipe = ctx.mask_recipe
-    if ctx.traced_offset or ctx.relative_position is not None or (ctx.mask is not None and recipe is None):
-        raise ValueError(
-            "attn_implementation='relpos_triton' takes padding (a 2-D attention_mask) and packed documents, not "
-            "a prepared 4-D attention_mask, a static cache under torch.compile or a continuous-batching step; "
-            "use 'sdpa' for those"
-        )
+    if ctx.traced_offset:
+        raise ValueError("attn_implementation='relpos_triton' cannot take a static cache's offsets under "
+                         "torch.compile (traced tensors); use 'sdpa'")
+    if ctx.relative_position is not None:
+        raise ValueError("attn_implementation='relpos_triton' cannot take a continuous-batching step (explicit "
+                         "positions); use 'sdpa'")
+    if ctx.mask is not None and recipe is None:
+        raise ValueError("attn_implementation='relpos_triton' takes a 2-D attention_mask, not a prepared 4-D one "
+                         "(generate hands a static cache one); use 'sdpa'")
     key_valid = documents = None
     if recipe is not None:
         if recipe.window is not None:
@@ -251,6 +258,9 @@ def kernel_masks(ctx: PositionContext, device, batch: int):
                 "use 'sdpa' or 'flex_attention'"
             )
         key_valid, documents = recipe.padding, recipe.documents
+    if key_valid is not None and key_valid.shape[-1] < ctx.key_length:
+        # A static cache's slots past the mask's columns hold no key yet.
+        key_valid = F.pad(key_valid, (0, ctx.key_length - key_valid.shape[-1]), value=False)
     if not ctx.causal and not ctx.keys_end_at_query:  # a static cache's slots past the queries hold no key yet
         filled = (torch.arange(ctx.key_length, device=device) < ctx.past_length + ctx.query_length)[None]
         key_valid = filled if key_valid is None else key_valid & filled

@@ -152,7 +152,7 @@ if triton is not None:
         BM: tl.constexpr, BN: tl.constexpr, DP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     ):
         start_m = tl.program_id(0) * BM
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)  # offsets past 2**31 elements in int64
         b = bh // H
         h = bh % H
         offs_m = start_m + tl.arange(0, BM)
@@ -221,7 +221,7 @@ if triton is not None:
         or the key part of ``query_key``'s gradient ``[B, H, 2, Q + K]``."""
         block = tl.program_id(0)
         start_n = block * BN
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)  # offsets past 2**31 elements in int64
         b = bh // H
         h = bh % H
         offs_n = start_n + tl.arange(0, BN)
@@ -310,7 +310,7 @@ if triton is not None:
     ):
         """One program per query block: ``dq`` and, for ``query_key``, the query part of the term's gradient."""
         start_m = tl.program_id(0) * BM
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)  # offsets past 2**31 elements in int64
         b = bh // H
         h = bh % H
         offs_m = start_m + tl.arange(0, BM)
@@ -376,8 +376,9 @@ def _flags(kind: int, term, index):
 
 def _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, past, keep32):
     """The output, the log-sum-exp of each row, and with ``keep32`` the output in float32: the backward's
-    ``delta_i = do_i·o_i`` from a float16/bfloat16 output is off by its rounding, which cancels in ``dq, dk`` but not
-    in a term's gradient, a sum over all pairs (KERPLE's r1 off by 5e-3 in float16, 8e-2 in bfloat16)."""
+    ``delta_i = do_i·o_i`` from a float16/bfloat16 output is off by its rounding. In ``dq, dk`` that error is of the
+    inputs' own precision (as in FlashAttention); a term's gradient, a sum over all pairs, accumulates it (KERPLE's
+    r1 off by 5e-3 in float16, 8e-2 in bfloat16)."""
     batch, heads, q_length, head_dim = q.shape
     k_length = k.shape[2]
     padded, upcast, precision = _setup(q)
@@ -432,7 +433,7 @@ def _backward(q, k, v, out, lse, grad_out, term, index, key_valid, documents, ki
     if not term_grad:
         grad_term = None
     elif kind == 1:  # one dense sum over the batch and the key blocks, in a fixed order
-        grad_term = partial.sum(dim=(0, 2))[:, :entries]
+        grad_term = partial.sum(dim=(0, 2))[:, :entries].contiguous()  # as the fake: a compiled graph checks strides
     elif kind in (2, 3):
         grad_term = partial.sum(dim=(0, 2)).t().contiguous()
     else:
@@ -536,7 +537,15 @@ def relpos_attention(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"q, k and v must share one of float16, bfloat16, float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"q, k and v must share one of float16, bfloat16, float32 for attn_implementation='relpos_triton', got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}; use 'sdpa' for others"
+        )
+    if q.shape[-1] > 128:
+        raise ValueError(f"head_dim must be at most 128 for attn_implementation='relpos_triton', got {q.shape[-1]}; "
+                         "use 'sdpa' or 'flex_attention'")
+    if q.shape[0] * q.shape[1] > 65535:  # the launch grid's second axis
+        raise ValueError(f"batch x heads must be at most 65535 for the Triton kernel, got {q.shape[0] * q.shape[1]}")
     _check_shapes(q, k, term, values, index, key_valid, documents, past)
     # A term's gradient from half-precision inputs takes the backward's delta from the float32 output (_forward).
     keep32 = q.dtype != torch.float32 and values is not None and values.requires_grad and torch.is_grad_enabled()
@@ -555,7 +564,7 @@ def _check_shapes(q, k, term, values, index, key_valid, documents, past) -> None
     if term == "table":
         if values.dim() != 2 or values.shape[0] != heads or values.shape[1] < 1:
             raise ValueError(f"values of term='table' must be [heads={heads}, entries], got {tuple(values.shape)}")
-        if index.dim() != 1 or index.shape[0] % 2 != 1 or index.is_floating_point():
+        if index.dim() != 1 or index.shape[0] % 2 != 1 or index.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"index must be integer [2R + 1], one entry per distance -R .. R, got {index.dtype} "
                              f"{tuple(index.shape)}")
         read = index.device.type == "cpu" and not torch.compiler.is_compiling()  # a host read: eager CPU calls only
@@ -569,3 +578,6 @@ def _check_shapes(q, k, term, values, index, key_valid, documents, past) -> None
             raise ValueError(f"{name} must be [batch={batch}, keys={k_length}], got {list(mask.shape)}")
     if isinstance(past, bool) or not isinstance(past, int) or past < 0:
         raise ValueError(f"past must be an int >= 0, got {past!r}")
+    if past + q_length > k_length:
+        raise ValueError(f"the queries' positions past + Q must not pass the keys: past={past}, Q={q_length}, "
+                         f"K={k_length}")

@@ -394,6 +394,9 @@ def test_backward_is_deterministic(term):
     pytest.param(dict(term="table", values=torch.zeros(3, 4), index=torch.zeros(5, dtype=torch.long)),
                  id="table-of-other-heads"),
     pytest.param(dict(term="log", values=torch.ones(2, 1)), id="log-of-other-heads"),
+    pytest.param(dict(term="table", values=torch.zeros(2, 4), index=torch.zeros(5, dtype=torch.bool)),
+                 id="index-of-bools"),
+    pytest.param(dict(past=1), id="queries-past-the-keys"),
     pytest.param(dict(term="query_key", values=torch.zeros(1, 2, 2, 5)), id="query-key-of-other-length"),
     pytest.param(dict(key_valid=torch.ones(1, 4, dtype=torch.bool)), id="key-valid-of-other-length"),
     pytest.param(dict(documents=torch.zeros(2, 3, dtype=torch.long)), id="documents-of-other-batch"),
@@ -405,3 +408,20 @@ def test_argument_errors(kwargs):
     kwargs = {key: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for key, x in kwargs.items()}
     with pytest.raises(ValueError):
         TA.relpos_attention(q, q, q, scale=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("entries", [6, 32])
+def test_the_ops_pass_torchs_opcheck(entries):
+    """``torch.library.opcheck`` of both custom ops (schema, fake implementation against the real one, strides
+    included, autograd registration): a table of 6 entries, padded to 8 in the kernel, gave a table gradient of
+    another stride than the fake's (review), which a compiled graph's stride check refused."""
+    g = gen(3)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    table = torch.randn(2, entries, generator=g).to(DEVICE).requires_grad_()
+    index = torch.randint(0, entries, (9,), generator=g).to(DEVICE)
+    args = (q, k, v, table, index, None, None, TA.TERMS["table"], 0.25, True, 0, False)
+    torch.library.opcheck(TA._attention_op, args)
+    out, lse, _ = TA._attention_op(*args)
+    detached = [x.detach() for x in (q, k, v, out, lse)]
+    torch.library.opcheck(TA._attention_backward_op, (*detached, torch.randn_like(detached[0]), table.detach(),
+                                                      index, None, None, TA.TERMS["table"], 0.25, True, 0, True))

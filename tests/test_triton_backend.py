@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 pytest.importorskip("triton")
 
@@ -23,7 +23,9 @@ from hf_relpos import (  # noqa: E402
     RelPosModel,
 )
 from hf_relpos.position_schemes import POSITION_SCHEMES  # noqa: E402
-from tiny import PRESETS, assert_close, assert_close_where, build, padding_mask, rand_ids  # noqa: E402
+from tiny import (  # noqa: E402
+    PRESETS, assert_close, assert_close_where, build, enable_checkpointing, padding_mask, rand_ids,
+)
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("no GPU and TRITON_INTERPRET unset: the kernel cannot run here", allow_module_level=True)
@@ -135,6 +137,28 @@ def test_generate_gives_sdpa_tokens(scheme):
     assert torch.equal(outputs[1], outputs[0])
 
 
+@pytest.mark.parametrize("scheme", ["t5_bias", "kerple_log"])
+def test_reentrant_activation_checkpointing(scheme):
+    """Each layer makes its kernel term inside itself (review: T5's, made once per forward, reached the layers as
+    no tensor, and reentrant checkpointing's second layer ran backward through the first's freed graph)."""
+    sdpa, triton = pair(scheme)
+    for model in (sdpa, triton):
+        enable_checkpointing(model, use_reentrant=True)
+    ids = rand_ids(BATCH, LENGTH)
+    assert_same_step(step(sdpa, input_ids=ids, labels=ids), step(triton, input_ids=ids, labels=ids), what=scheme)
+
+
+def test_a_static_cache_with_a_padding_mask():
+    """A prefill into a StaticCache with left padding: the mask's columns end before the cache's slots (review:
+    an internal shape error)."""
+    sdpa, triton = (model.eval() for model in pair("t5_bias"))
+    ids, mask = rand_ids(BATCH, 8), padding_mask(BATCH, 8, "left", pads=(3,))
+    with torch.no_grad():
+        logits = [m(ids, attention_mask=mask, past_key_values=StaticCache(config=m.config, max_cache_len=20)).logits
+                  for m in (sdpa, triton)]
+    assert_close_where(logits[1], logits[0], mask, atol=ATOL, what="static cache")
+
+
 def test_bias_gradients_are_bitwise_deterministic():
     """Two backward passes of the same step give the same table gradient, bit for bit (no atomics)."""
     _, triton = pair("t5_bias")
@@ -204,5 +228,5 @@ def test_a_cpu_outside_the_interpreter_is_pointed_to_sdpa(monkeypatch):
 def test_a_static_cache_is_refused_in_one_line():
     model = build("t5_bias", impl=TRITON).eval()
     ids = rand_ids(1, 5)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"relpos_triton' takes padding .* use 'sdpa'"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"relpos_triton' takes a 2-D attention_mask, not a prepared"):
         model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static")
