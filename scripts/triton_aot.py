@@ -2,7 +2,7 @@
 on a machine without a GPU: register count, spills, shared memory and floating-point atomics per kernel.
 
 ``triton.compile`` runs Triton's full NVIDIA backend on the CPU (shape rules, layouts, shared-memory allocation,
-PTX); ``ptxas -v`` (shipped inside the triton package), given the options Triton's own build passes
+PTX); ``ptxas -v`` (shipped inside the triton package; the one Triton's build uses per target), given the options Triton's own build passes
 (``-lineinfo --regAllocOptLevel=2``, so the numbers are the cubin's that runs; plain ``ptxas -v`` also recorded),
 then reports registers and spill stores/loads. This catches
 what the interpreter the test suite runs under cannot (a shape a GPU target rejects, register pressure, shared
@@ -111,6 +111,18 @@ def signature(fn, dtype: str, kind: int, dp: int, kernel: str = "") -> tuple[dic
 # The options Triton 3.8's make_cubin passes to ptxas (triton/backends/nvidia/compiler.py): the cubin that runs.
 # Plain `ptxas -v` (no options) allocates registers differently; both are recorded, the limits read Triton's.
 TRITON_PTXAS_FLAGS = ["-lineinfo", "--regAllocOptLevel=2"]
+
+
+def ptxas_for(triton, arch: int) -> Path:
+    """The ptxas Triton's own build uses for ``arch``: Triton 3.9 ships two (``ptxas`` for sm_80, a newer
+    ``ptxas-blackwell`` for sm_90 and later, which reads the PTX version it emits there); 3.8 uses ``ptxas`` below
+    sm_100. Asked of Triton (``get_ptxas``), else the bundled ``ptxas``."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return Path(get_ptxas(arch).path)
+    except (ImportError, AttributeError):
+        return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
 def ptxas_report(ptxas: Path, ptx: str, arch: int, flags=()) -> dict:
@@ -243,8 +255,9 @@ def main(argv=None) -> int:
 
     kernels = {"forward": ta._forward_kernel, "backward_kv": ta._backward_kv_kernel,
                "backward_q": ta._backward_q_kernel}
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    version = subprocess.run([str(ptxas), "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    ptxas = {arch: ptxas_for(triton, arch) for arch in targets}
+    version = subprocess.run([str(ptxas[targets[0]]), "--version"], capture_output=True,
+                             text=True).stdout.strip().splitlines()
     dtypes = ["bfloat16"] if args.quick else list(DTYPES)
     dps = [64] if args.quick else [64, 128]
     kinds = [1, 4] if args.quick else list(KINDS)
@@ -256,7 +269,7 @@ def main(argv=None) -> int:
             for dp in dps:
                 for kind in kinds:
                     for kernel in kernels:
-                        row = compile_case(triton, kernels, ptxas, kernel, kind, dtype, dp, arch)
+                        row = compile_case(triton, kernels, ptxas[arch], kernel, kind, dtype, dp, arch)
                         row["violations"] = violations(row)
                         cases.append(row)
                         status = row.get("error") or (
