@@ -34,7 +34,8 @@ SCHEMES = (
 )
 PRESET_NAMES = ("micro", "small", "tiny")
 # hf_relpos.lengthgen.TASKS, restated: parsing needs no torch
-LENGTHGEN_TASKS = ("copy", "reverse", "sort", "addition", "summation", "parity")
+LENGTHGEN_TASKS = ("copy", "repeat_copy", "replace", "reverse", "sort", "addition", "summation", "parity")
+LENGTHGEN_ITEMS, LENGTHGEN_MAX_ITEMS = 100, 1000  # hf_relpos.lengthgen.ITEMS and MAX_ITEMS, restated
 EXPORT_FORMATS = ("onnx", "pt2")  # hf_relpos.commands.export.FORMATS, restated: parsing needs no torch
 INSPECT_PROMPT = "The for statement is used to iterate over the elements of a sequence."
 MIN_VOCAB = 259  # the byte-level BPE's 256 byte tokens and its 3 special tokens (hf_relpos.data.SPECIAL_TOKENS)
@@ -79,6 +80,7 @@ positive_int = _number(int, 1, strict=False)
 non_negative_int = _number(int, 0, strict=False)
 non_negative_float = _number(float, 0.0, strict=False)
 positive_float = _number(float, 0.0, strict=True)
+accuracy_fraction = _number(float, 0.0, strict=True, maximum=1.0)  # an exact-match accuracy as a fraction, > 0 to 1
 # A sequence of one token has no next token to predict inside it (training's loss is 0, its "perplexity" 1.00) and
 # attends to itself alone, so no position scheme does anything: 2 is the shortest length that measures something.
 MIN_SEQ_LEN = 2
@@ -251,16 +253,29 @@ def _add_experiment_commands(command) -> None:
     p.add_argument("--output-dir", default=None,
                    help="where the table (md, json), plot and run records go (default: a new runs/lengthgen-<date>-<time>)")
     p.add_argument("--tasks", nargs="+", choices=LENGTHGEN_TASKS, default=None,
-                   help="tasks (default: all; --quick: copy sort parity)")
-    p.add_argument("--schemes", nargs="+", choices=SCHEMES, default=None, help="schemes (default: all)")
+                   help="tasks (default: copy repeat_copy replace reverse; addition, summation and parity are "
+                        "negative controls; --quick: copy replace parity)")
+    p.add_argument("--schemes", nargs="+", choices=SCHEMES, default=None,
+                   help="schemes (default: the paper's five: nope t5_bias alibi rope learned)")
     p.add_argument("--seeds", type=positive_int, default=3, help="seeds per task and scheme (--seed, --seed + 1, ...)")
     p.add_argument("--seed", type=seed_number, default=0, help=f"the first seed (0 to {MAX_SEED})")
     p.add_argument("--train-length", type=positive_int, default=20,
                    help="L: training instances have U(1, L) input items, test instances 1 to 2L")
-    p.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps per run")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="instances per optimizer step")
-    p.add_argument("--learning-rate", type=positive_float, default=3e-3, help="peak AdamW learning rate (cosine schedule)")
-    p.add_argument("--preset", choices=PRESET_NAMES, default="micro", help="model size")
+    p.add_argument("--items", type=_number(int, 2, strict=False, maximum=LENGTHGEN_MAX_ITEMS), default=LENGTHGEN_ITEMS,
+                   help=f"item types of copy, repeat_copy, replace, reverse and sort (2 to {LENGTHGEN_MAX_ITEMS})")
+    p.add_argument("--steps", type=positive_int, default=5000, help="most optimizer steps per run")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="instances per optimizer step")
+    p.add_argument("--lrs", type=positive_float, nargs="+", default=[1e-3],
+                   help="peak AdamW learning rates (5%% warm-up, cosine decay); with several, the first seed tries "
+                        "each and the other seeds use the one best in distribution, per task and scheme")
+    p.add_argument("--eval-every", type=positive_int, default=250,
+                   help="steps between in-distribution validations (the best state is the one scored)")
+    p.add_argument("--stop-at", type=accuracy_fraction, default=1.0,
+                   help="stop a run once its validation exact match reaches this (0-1; default 1: the first state "
+                        "at 100%% is the one scored, so training on would change nothing)")
+    p.add_argument("--gate", type=accuracy_fraction, default=0.95,
+                   help="best validation exact match (0-1) a run needs to be reported; below it: not learned")
+    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="runs trained at once, one thread each (default: the CPU cores available)")
     p.add_argument("--quick", action="store_true",

@@ -28,7 +28,7 @@ from .options import TrainOptions
 
 # The model sizes of ``--preset`` (hf_relpos_cli.PRESET_NAMES restates the names).
 PRESETS = {
-    # lengthgen's default: small enough to train one model per task, scheme and seed on a CPU
+    # small enough to train one model per task, scheme and seed on a CPU (tiny: lengthgen's default)
     "micro": dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256),
     "tiny": dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, intermediate_size=512),
     "small": dict(hidden_size=256, num_attention_heads=4, num_hidden_layers=4, intermediate_size=1024),
