@@ -281,6 +281,8 @@ def _add_experiment_commands(command) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a few-minute run (at most 200 steps, 1 seed, tasks copy sort parity unless --tasks), marked as such")
     p.add_argument("--resume", action="store_true", help="train only the runs not yet recorded in --output-dir")
+    p.add_argument("--report", action="store_true",
+                   help="train nothing: write the table and plots of the runs recorded so far (marked partial)")
     p.add_argument("--overwrite", action="store_true", help="train every run again and replace the table in --output-dir")
     p.add_argument("--quiet", action="store_true", help="print only the final line (and errors)")
 

@@ -564,3 +564,37 @@ def test_two_learning_rates_never_share_a_record(tmp_path):
         path.write_text(json.dumps(record))
     assert command._read_record(here, SETTINGS, resume=True) == record
     assert command._read_record(elsewhere, SETTINGS, resume=True) is None
+
+
+def test_report_writes_the_table_of_the_runs_recorded_so_far_and_trains_nothing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "lg"
+    argv = ["lengthgen", "--tasks", "copy", "--schemes", "alibi", "nope", "--seeds", "2", "--lrs", "1e-3", "2e-3",
+            "--gate", "0.01", "--output-dir", str(out), *TINY]
+    assert hf_relpos_cli.main(argv) == 0
+    full = json.loads((out / "lengthgen.json").read_text())
+    assert full["meta"]["runs_recorded"] == full["meta"]["runs_expected"] == 6
+    assert "**Partial**" not in (out / "lengthgen.md").read_text()
+    nope = next(r for r in full["rows"] if r["scheme"] == "nope")
+    for path in (out / "records" / "copy" / "nope").rglob("seed-*.json"):
+        path.unlink()  # nope not run yet
+    alibi = next(r for r in full["rows"] if r["scheme"] == "alibi")
+    command.record_path(out, "copy", "alibi", 1, alibi["learning_rate"]).unlink()  # alibi's second seed neither
+    monkeypatch.setattr(command, "run_one", lambda *run: pytest.fail(f"--report trained {run}"))
+    assert hf_relpos_cli.main(["lengthgen", "--tasks", "copy", "--schemes", "alibi", "nope", "--seeds", "2", "--lrs",
+                               "1e-3", "2e-3", "--gate", "0.01", "--output-dir", str(out), *TINY, "--report"]) == 0
+    data = json.loads((out / "lengthgen.json").read_text())
+    table = (out / "lengthgen.md").read_text()
+    assert (data["meta"]["runs_recorded"], data["meta"]["runs_expected"], data["meta"]["runs_trained"]) == (2, 6, 0)
+    assert table.startswith("**Partial** (`--report`): 2 of the 6 runs are recorded so far")
+    assert [r["scheme"] for r in data["rows"]] == ["alibi"] and data["rows"][0]["seeds"] == [0]
+    assert _table_rows(table, "Headline: lengths 4-5, the first bucket past training")["nope"] == ["not run yet"]
+    assert nope["seeds"] == [0, 1]
+    capsys.readouterr()
+    for extra, expected in ((["--overwrite"], "--report reads the runs recorded so far, --overwrite trains"),
+                            (["--tasks", "reverse"], "no run of this command is recorded")):
+        assert hf_relpos_cli.main(argv + ["--report", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hf-relpos lengthgen: error: ") and err.count("\n") == 1 and expected in err, err
+    empty = tmp_path / "empty"
+    assert hf_relpos_cli.main(["lengthgen", "--output-dir", str(empty), *TINY, "--report"]) == 2
+    assert "no lengthgen run to resume" in capsys.readouterr().err

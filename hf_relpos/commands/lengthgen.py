@@ -68,6 +68,7 @@ class LengthgenOptions:
     quick: bool = False
     overwrite: bool = False
     resume: Optional[bool] = None
+    report: bool = False  # train nothing: the table and plots of the runs recorded so far
     quiet: bool = False
     argv: Sequence[str] = ()
 
@@ -125,6 +126,10 @@ def lengthgen(options: LengthgenOptions) -> Path:
         raise UserError(f"--preset {options.preset!r} is not a preset: choose from {', '.join(PRESETS)}")
     if options.jobs is not None and options.jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {options.jobs}")
+    if options.report and options.overwrite:
+        raise UserError("--report reads the runs recorded so far, --overwrite trains every run again: give one")
+    if options.report:
+        options = dataclasses.replace(options, resume=True)
     out = output_folder(options.output_dir or f"runs/lengthgen-{time.strftime('%Y%m%d-%H%M%S')}")
     check_results_folder(
         out, LENGTHGEN_FILE, "lengthgen run", "records", options.resume, options.overwrite,
@@ -225,7 +230,7 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
         nonlocal jobs
         for run in runs:
             records[run] = _read_record(record_path(out, *run), settings, bool(options.resume))
-        todo = [run for run in runs if records[run] is None]
+        todo = [run for run in runs if records[run] is None and not options.report]
         bar.update(len(runs) - len(todo))
         phase_jobs = min(options.jobs or _cores(), max(1, len(todo)))
         jobs = max(jobs, phase_jobs)
@@ -237,12 +242,16 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
                                 f"out {record['accuracy']['out']:.0%}", refresh=False)
             bar.update()
 
+    def choice(group):  # None: no run of the first seed recorded (under --report)
+        tried = [records[(*group, seeds[0], lr)] for lr in lrs if records.get((*group, seeds[0], lr))]
+        return None if not tried else lrs[0] if len(lrs) == 1 else choose_lr(tried)
+
     try:
         run_phase(first)
-        chosen = {group: lrs[0] if len(lrs) == 1 else choose_lr([records[(*group, seeds[0], lr)] for lr in lrs])
-                  for group in groups}
+        chosen = {group: choice(group) for group in groups}
         if len(lrs) > 1:
-            run_phase([(task, scheme, seed, chosen[task, scheme]) for task, scheme in groups for seed in seeds[1:]])
+            run_phase([(task, scheme, seed, chosen[task, scheme]) for task, scheme in groups for seed in seeds[1:]
+                       if chosen[task, scheme] is not None])
     except (KeyboardInterrupt, WorkerDied) as stop:
         done = sum(r is not None for r in records.values())
         why = ("a worker process died (killed, e.g. out of memory: fewer --jobs use less)"
@@ -251,7 +260,11 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
                           resume_command(options.argv)) from None
     finally:
         bar.close()
-    scored = [records[(task, scheme, seed, chosen[task, scheme])] for task, scheme in groups for seed in seeds]
+    scored = [records[run] for run in ((task, scheme, seed, chosen[task, scheme]) for task, scheme in groups
+                                       for seed in seeds) if records.get(run)]
+    if not scored:
+        raise UserError(f"--report: no run of this command is recorded in {str(out)!r} yet")
+    recorded = sum(r is not None for r in records.values())
     rows = aggregate(scored, options.train_length, options.gate)
     meta = {
         "command": "hf-relpos " + shlex.join(options.argv),
@@ -261,8 +274,8 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
         **settings, "gate": options.gate, "learning_rates": lrs, "model": PRESETS[options.preset], "tasks": tasks,
         "schemes": schemes, "seeds": seeds, "jobs": jobs,
         "buckets": [lg.bucket_name(b) for b in lg.buckets(options.train_length)],
-        "runs_trained": len(trained),
-        "train_cpu_seconds": round(sum(r["seconds"] for r in records.values()), 1),
+        "runs_trained": len(trained), "runs_recorded": recorded, "runs_expected": total,
+        "train_cpu_seconds": round(sum(r["seconds"] for r in records.values() if r), 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
     table = render_table(rows, meta)
@@ -558,6 +571,9 @@ def render_table(rows: list, meta: dict) -> str:
     headline = [t for t in meta["tasks"] if t not in lg.CONTROLS]
     first_out = _first_out_bucket(meta)
     lines = []
+    if meta.get("runs_recorded", 0) < meta.get("runs_expected", 0):
+        lines += [f"**Partial** (`--report`): {meta['runs_recorded']} of the {meta['runs_expected']} runs are recorded "
+                  "so far; a mean counts the seeds recorded, and a learning rate is chosen among those tried.", ""]
     if meta.get("quick"):
         lines += [f"**Quick run** ({meta['steps']} steps, {len(seeds)} seed, tasks {', '.join(meta['tasks'])}): a "
                   "smoke test, not comparable with full runs.", ""]
@@ -575,8 +591,8 @@ def render_table(rows: list, meta: dict) -> str:
         lines += [f"### Headline: lengths {first_out}, the first bucket past training", "",
                   "| scheme | " + " | ".join(headline) + " |", "| --- | " + " | ".join("---:" for _ in headline) + " |"]
         for scheme in meta["schemes"]:
-            cells = [next((_cell(r, first_out) for r in rows if r["task"] == task and r["scheme"] == scheme), "")
-                     for task in headline]
+            cells = [next((_cell(r, first_out) for r in rows if r["task"] == task and r["scheme"] == scheme),
+                          "not run yet") for task in headline]
             lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
     for task in meta["tasks"]:
         title = f"{task} (negative control)" if task in lg.CONTROLS else task
