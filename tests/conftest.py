@@ -92,7 +92,7 @@ TRANSFORMERS_DEPENDENT = {
 TRANSFORMERS_INDEPENDENT = {
     "test_attention_with_bias", "test_bench_gpu", "test_bias_band", "test_demo_biases", "test_docs", "test_functional",
     "test_functional_fuzz", "test_import_graph", "test_kernels", "test_key_bias", "test_packaging",
-    "test_shaw_banded", "test_triton_aot", "test_triton_attention", "test_txl_chunked",
+    "test_shaw_banded", "test_transfo_xl_fixtures", "test_triton_aot", "test_triton_attention", "test_txl_chunked",
 }
 
 

@@ -1,0 +1,148 @@
+"""The TransfoXL reference fixtures (tests/fixtures/transfo_xl, made by scripts/transfo_xl_golden.py with
+Transformers 4.35.2) hold what issue 39's conversion is checked against: these tests pin the facts it relies on,
+with float64 oracles written from the Transformer-XL paper (Dai et al. 2019, section 3.2: memory = the previous
+segment's layer inputs, SG(.) = detached) and the adaptive input / adaptive softmax papers (Baevski & Auli 2019:
+per-cluster embeddings of size d / div_val**i projected to d and scaled by sqrt(d); Grave et al. 2017, eq. 3:
+log p(w) = log p(head cluster) + log p(w | cluster))."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+FIXTURES = Path(__file__).parent / "fixtures" / "transfo_xl"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+
+
+def load_case(name: str):
+    folder = FIXTURES / name
+    config = json.loads((folder / "config.json").read_text())
+    if (folder / "model.safetensors").is_file():
+        weights = load_file(str(folder / "model.safetensors"))
+    else:  # a .bin state dict: tensors only, never arbitrary objects
+        weights = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return config, {k: v.double() for k, v in weights.items()}, load_file(str(folder / "reference.safetensors"))
+
+
+def clusters(config: dict) -> list:
+    edges = [0, *config["cutoffs"], config["vocab_size"]]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def adaptive_embedding(config: dict, weights: dict, ids: torch.Tensor) -> torch.Tensor:
+    """Baevski & Auli's adaptive input: token t of cluster i -> E_i[t - l_i] P_i^T * sqrt(d_model), with d_i =
+    d_embed / div_val**i; div_val 1 is one table of d_embed, projected only where d_embed != d_model."""
+    d_model = config["d_model"]
+    out = torch.zeros(*ids.shape, d_model, dtype=torch.float64)
+    if config["div_val"] == 1:
+        table = weights["transformer.word_emb.emb_layers.0.weight"][ids]
+        projection = weights.get("transformer.word_emb.emb_projs.0")
+        out = table if projection is None else table @ projection.T
+    else:
+        for i, (low, high) in enumerate(clusters(config)):
+            inside = (ids >= low) & (ids < high)
+            table = weights[f"transformer.word_emb.emb_layers.{i}.weight"]
+            rows = table[(ids[inside] - low)] @ weights[f"transformer.word_emb.emb_projs.{i}"].T
+            out[inside] = rows
+    return out * math.sqrt(d_model)
+
+
+def adaptive_log_softmax(config: dict, weights: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """Grave et al.'s adaptive softmax (eq. 3) as TransfoXL projects it: cluster i's logits are (h P_i) W_i^T + b_i;
+    the head scores the shortlist and one entry per tail cluster (the cluster weights), and log p(w in tail i) =
+    log p_head(i) + log p_i(w). div_val 1 has one output table (sliced per cluster) and a projection per cluster;
+    tied tables and projections are read from the embedding (``tie_word_embeddings``, ``tie_projs``)."""
+    parts, one = clusters(config), config["div_val"] == 1
+    tied_tables = config.get("tie_word_embeddings", True)
+
+    def table(i):
+        key = f"crit.out_layers.{0 if one else i}.weight"
+        if tied_tables or key not in weights:
+            key = f"transformer.word_emb.emb_layers.{0 if one else i}.weight"
+        w, b = weights[key], weights[f"crit.out_layers.{0 if one else i}.bias"]
+        return (w[parts[i][0] : parts[i][1]], b[parts[i][0] : parts[i][1]]) if one else (w, b)
+
+    def projected(i):
+        key = f"crit.out_projs.{i}"
+        if config["tie_projs"][i]:
+            key = f"transformer.word_emb.emb_projs.{0 if one else i}"
+        p = weights.get(key)
+        return hidden if p is None else hidden @ p
+
+    w, b = table(0)
+    if len(parts) > 1:
+        w, b = torch.cat([w, weights["crit.cluster_weight"]]), torch.cat([b, weights["crit.cluster_bias"]])
+    head = (projected(0) @ w.T + b).log_softmax(-1)
+    shortlist = parts[0][1]
+    out = [head[..., :shortlist]]
+    for i in range(1, len(parts)):
+        w, b = table(i)
+        out.append(head[..., shortlist + i - 1 : shortlist + i] + (projected(i) @ w.T + b).log_softmax(-1))
+    return torch.cat(out, -1)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_fixture_is_a_transfo_xl_folder_of_4_35_2(case):
+    config, weights, reference = load_case(case)
+    assert config["model_type"] == "transfo-xl" and config["transformers_version"] == "4.35.2"
+    assert json.loads((FIXTURES / "versions.json").read_text())["transformers"] == "4.35.2"
+    ids = reference["input_ids"]
+    assert ids.shape == (3, 2, 5) and int(ids.max()) < config["vocab_size"]
+    for s in range(3):
+        # log-probabilities: each row sums to 1, and they depend on the segment (memory and input)
+        assert reference[f"s{s}.log_probs"].double().logsumexp(-1).abs().max() < 1e-5
+    assert not torch.allclose(reference["s0.log_probs"], reference["zero_start.log_probs"], atol=1e-3)
+    assert len([k for k in weights if k.endswith("r_w_bias")]) >= 1
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_memory_is_each_layers_input_and_keeps_the_last_mem_len(case):
+    """Dai et al. 3.2: layer 0's memory is the embedded tokens (no dropout: 0 here); the memory after segment s is
+    the last mem_len of (memory before, this segment), starting empty (the authors' start)."""
+    config, weights, reference = load_case(case)
+    ids, length, memory = reference["input_ids"], 5, 0
+    embedded = [adaptive_embedding(config, weights, ids[s]).transpose(0, 1) for s in range(3)]  # time-major
+    for s in range(3):
+        memory = min(config["mem_len"], memory + length)
+        layer0 = reference[f"s{s}.mems.0"].double()
+        assert layer0.shape == (memory, 2, config["d_model"])
+        expected = torch.cat(embedded[: s + 1])[-memory:]
+        assert torch.allclose(layer0, expected, rtol=1e-5, atol=1e-5), (layer0 - expected).abs().max()
+        assert all(reference[f"s{s}.mems.{n}"].shape[0] == memory for n in range(config["n_layer"]))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_losses_are_the_shifted_negative_log_probabilities_grouped_by_cluster(case):
+    """TransfoXL's labelled forward: the NLL of token t+1 at position t, and the loss their mean. Its ``losses``
+    come out grouped by the target's cluster (the head's targets first, each group in position order: the adaptive
+    softmax's ``keep_order=False``), not in position order: the port must say which order it returns."""
+    config, _, reference = load_case(case)
+    ids = reference["input_ids"]
+    edges = torch.tensor([0, *config["cutoffs"], config["vocab_size"]])
+    for s in range(3):
+        log_probs = reference[f"s{s}.log_probs"].double()
+        targets = ids[s][:, 1:].long()
+        nll = -log_probs[:, :-1].gather(-1, targets[..., None])[..., 0]
+        cluster = torch.bucketize(targets.flatten(), edges[1:-1], right=True)
+        order = torch.sort(cluster, stable=True).indices
+        assert torch.allclose(reference[f"s{s}.losses"].double().flatten(), nll.flatten()[order], atol=1e-4)
+        assert reference[f"s{s}.loss"].item() == pytest.approx(nll.mean().item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_adaptive_softmax_oracle_gives_transfo_xls_log_probabilities(case):
+    """The float64 oracle over the last layer's output gives TransfoXL's log-probabilities on every segment (so it
+    can check the port's head), and a tied checkpoint does not save its output tables twice."""
+    config, weights, reference = load_case(case)
+    for s in range(3):
+        log_probs = adaptive_log_softmax(config, weights, reference[f"s{s}.last_hidden"].double())
+        assert log_probs.logsumexp(-1).abs().max() < 1e-12
+        expected = reference[f"s{s}.log_probs"].double()
+        assert torch.allclose(log_probs, expected, rtol=1e-5, atol=1e-4), (log_probs - expected).abs().max()
+    if (FIXTURES / case / "model.safetensors").is_file() and config["div_val"] > 1:  # .bin files keep tied copies
+        assert config.get("tie_word_embeddings", True) == ("crit.out_layers.1.weight" not in weights)
