@@ -588,6 +588,10 @@ def test_report_writes_the_table_of_the_runs_recorded_so_far_and_trains_nothing(
     assert table.startswith("**Partial** (`--report`): 2 of the 6 runs are recorded so far")
     assert [r["scheme"] for r in data["rows"]] == ["alibi"] and data["rows"][0]["seeds"] == [0]
     assert _table_rows(table, "Headline: lengths 4-5, the first bucket past training")["nope"] == ["not run yet"]
+    assert hf_relpos_cli.main(["lengthgen", "--tasks", "copy", "reverse", "--schemes", "alibi", "nope", "--seeds",
+                               "2", "--lrs", "1e-3", "2e-3", "--gate", "0.01", "--output-dir", str(out), *TINY,
+                               "--report"]) == 0
+    assert "### reverse\n\nNo run recorded yet.\n" in (out / "lengthgen.md").read_text()
     assert nope["seeds"] == [0, 1]
     capsys.readouterr()
     for extra, expected in ((["--overwrite"], "--report reads the runs recorded so far, --overwrite trains"),

@@ -596,6 +596,9 @@ def render_table(rows: list, meta: dict) -> str:
             lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
     for task in meta["tasks"]:
         title = f"{task} (negative control)" if task in lg.CONTROLS else task
+        if not any(row["task"] == task for row in rows):
+            lines += ["", f"### {title}", "", "No run recorded yet."]
+            continue
         lines += ["", f"### {title}", "",
                   "| scheme | learned | learning rate | best in-distribution | " + " | ".join(buckets) + " |",
                   "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in buckets) + " |"]
