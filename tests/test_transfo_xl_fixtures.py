@@ -146,3 +146,88 @@ def test_the_adaptive_softmax_oracle_gives_transfo_xls_log_probabilities(case):
         assert torch.allclose(log_probs, expected, rtol=1e-5, atol=1e-4), (log_probs - expected).abs().max()
     if (FIXTURES / case / "model.safetensors").is_file() and config["div_val"] > 1:  # .bin files keep tied copies
         assert config.get("tie_word_embeddings", True) == ("crit.out_layers.1.weight" not in weights)
+
+
+def adaptive_modules(config: dict, weights: dict, dtype=torch.float32):
+    """hf_relpos's AdaptiveEmbedding and ProjectedAdaptiveLogSoftmax with the fixture's weights, tied tables and
+    projections read from the embedding as TransfoXL ties them."""
+    from hf_relpos.adaptive_softmax import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+
+    sizes = (config["vocab_size"], config["d_model"], config["d_embed"], config["cutoffs"], config["div_val"])
+    embedding, head = AdaptiveEmbedding(*sizes), ProjectedAdaptiveLogSoftmax(*sizes)
+    one = config["div_val"] == 1
+    state, sources = {}, {}
+    for key, value in weights.items():
+        if key.startswith("transformer.word_emb.emb_layers."):
+            state[("emb", key[len("transformer.word_emb."):])] = value
+        elif key.startswith("transformer.word_emb.emb_projs."):
+            state[("emb", key[len("transformer.word_emb."):] + ".weight")] = value
+    tied = config.get("tie_word_embeddings", True)
+    for i in range(len(head.out_layers)):
+        name = f"crit.out_layers.{i}.weight"
+        sources[f"out_layers.{i}.weight"] = (
+            f"transformer.word_emb.emb_layers.{i}.weight" if tied or name not in weights else name)
+        sources[f"out_layers.{i}.bias"] = f"crit.out_layers.{i}.bias"
+    for i in head.out_projs:
+        source = f"crit.out_projs.{i}"
+        if config["tie_projs"][int(i)]:
+            source = f"transformer.word_emb.emb_projs.{0 if one else i}"
+        sources[f"out_projs.{i}.weight"] = source
+    for name in ("cluster_weight", "cluster_bias"):
+        if f"crit.{name}" in weights:
+            sources[name] = f"crit.{name}"
+    state.update({("head", name): weights[source] for name, source in sources.items()})
+    for module, which in ((embedding, "emb"), (head, "head")):
+        mine = {name: value.to(dtype) for (owner, name), value in state.items() if owner == which}
+        module.load_state_dict(mine, strict=True)
+        module.to(dtype)
+    return embedding, head, sources
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_relpos_adaptive_modules_give_transfo_xls_embeddings_and_log_probs(case):
+    """hf_relpos/adaptive_softmax.py in float32 against TransfoXL's own float32 outputs: the embedding is layer 0's
+    memory (the embedded input), the log-probabilities those of the last hidden state, on every segment."""
+    config, weights, reference = load_case(case)
+    embedding, head, _ = adaptive_modules(config, weights)
+    ids = reference["input_ids"]
+    with torch.no_grad():
+        first = embedding(ids[0]).transpose(0, 1)  # time-major, as TransfoXL keeps its memory
+        memory = reference["s0.mems.0"]
+        torch.testing.assert_close(first[-memory.shape[0]:], memory, rtol=1e-5, atol=1e-5)
+        for s in range(3):
+            log_probs = head(reference[f"s{s}.last_hidden"])
+            torch.testing.assert_close(log_probs, reference[f"s{s}.log_probs"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_relpos_adaptive_modules_match_the_float64_oracle_values_and_gradients(case):
+    """Against the oracles written from the papers above, in float64: values, and the gradients of a random
+    weighting of the outputs with respect to the input hidden state and every parameter."""
+    config, weights, reference = load_case(case)
+    embedding, head, sources = adaptive_modules(config, weights, torch.float64)
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 5, config["d_model"], dtype=torch.float64, generator=generator, requires_grad=True)
+    weighting = torch.randn(2, 5, config["vocab_size"], dtype=torch.float64, generator=generator)
+    (head(hidden) * weighting).sum().backward()
+    mine = {name: p.grad.clone() for name, p in head.named_parameters()}
+    mine_hidden = hidden.grad.clone()
+
+    oracle_weights = {k: v.clone().requires_grad_(True) for k, v in weights.items()}
+    hidden_oracle = hidden.detach().clone().requires_grad_(True)
+    log_probs = adaptive_log_softmax(config, oracle_weights, hidden_oracle)
+    torch.testing.assert_close(head(hidden.detach()), log_probs.detach(), rtol=1e-12, atol=1e-12)
+    (log_probs * weighting).sum().backward()
+    torch.testing.assert_close(mine_hidden, hidden_oracle.grad, rtol=1e-10, atol=1e-10)
+    # each parameter's gradient is the oracle's for the weight it was loaded from (only the head ran, so a tied
+    # table's or projection's whole gradient is the head's)
+    # (projections tied to one embedding projection share it: their gradients add up there)
+    assert set(mine) == set(sources)
+    for source in set(sources.values()):
+        total = sum(mine[name] for name, origin in sources.items() if origin == source)
+        torch.testing.assert_close(total, oracle_weights[source].grad, rtol=1e-10, atol=1e-10, msg=source)
+
+    ids = reference["input_ids"][0]
+    ids_grad_check = embedding(ids)
+    expected = adaptive_embedding(config, weights, ids)
+    torch.testing.assert_close(ids_grad_check.detach(), expected, rtol=1e-12, atol=1e-12)
