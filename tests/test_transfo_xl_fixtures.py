@@ -231,3 +231,82 @@ def test_hf_relpos_adaptive_modules_match_the_float64_oracle_values_and_gradient
     ids_grad_check = embedding(ids)
     expected = adaptive_embedding(config, weights, ids)
     torch.testing.assert_close(ids_grad_check.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+def transfo_xl_reference(config: dict, weights: dict, ids: torch.Tensor, mems: list) -> tuple:
+    """Transformer-XL's forward in float64, written from Dai et al. 2019 (section 3.3): for each layer, the keys
+    and values come from [SG(memory), h]; the score of query i (absolute position M + i) and key j is
+    ``(q_i + u) k_j + (q_i + v) W_r R(min(M + i - j, clamp_len))``, scaled by 1/sqrt(d_head), over the keys with
+    j <= M + i (and, with ``same_length``, M + i - j < mem_len); R is the sinusoid [sin, cos] of the distance;
+    post-norm ``LN(h + attention)`` then ``LN(o + FF(o))`` (pre-norm: ``h + attention(LN([memory, h]))`` and
+    ``o + FF(LN(o))``); no final norm; the adaptive softmax of the last layer. ``mems``: each layer's input of the
+    segments before (batch-major), the new ones keep the last ``mem_len``."""
+    d_model, heads, d_head = config["d_model"], config["n_head"], config["d_head"]
+    eps, pre = config["layer_norm_epsilon"], config["pre_lnorm"]
+    h = adaptive_embedding(config, weights, ids)
+    batch, length, _ = h.shape
+    new_mems = []
+
+    def norm(x, prefix):
+        return torch.nn.functional.layer_norm(x, (d_model,), weights[prefix + ".weight"], weights[prefix + ".bias"], eps)
+
+    for layer in range(config["n_layer"]):
+        p = f"transformer.layers.{layer}."
+        memory = mems[layer]
+        new_mems.append(torch.cat([memory, h], 1)[:, -config["mem_len"]:])
+        context = torch.cat([memory, h], 1)
+        m, keys = memory.shape[1], context.shape[1]
+        attn_in = norm(context, p + "dec_attn.layer_norm") if pre else context
+        q, k, v = (attn_in @ weights[p + "dec_attn.qkv_net.weight"].T).chunk(3, -1)
+        q = q[:, -length:].reshape(batch, length, heads, d_head)
+        k, v = (t.reshape(batch, keys, heads, d_head) for t in (k, v))
+        u = weights.get(p + "dec_attn.r_w_bias", weights.get("transformer.r_w_bias"))
+        w = weights.get(p + "dec_attn.r_r_bias", weights.get("transformer.r_r_bias"))
+        query_pos = m + torch.arange(length)[:, None]
+        distance = query_pos - torch.arange(keys)[None, :]
+        visible = distance >= 0
+        if config["same_length"]:
+            visible &= distance < config["mem_len"]
+        clamped = distance.clamp(min=0)
+        if config["clamp_len"] > 0:
+            clamped = clamped.clamp(max=config["clamp_len"])
+        inv_freq = 1 / 10000 ** (torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+        angles = clamped[..., None].double() * inv_freq
+        sinusoid = torch.cat([angles.sin(), angles.cos()], -1)  # [length, keys, d_model]
+        r = (sinusoid @ weights[p + "dec_attn.r_net.weight"].T).reshape(length, keys, heads, d_head)
+        scores = torch.einsum("bihd,bjhd->bhij", q + u, k) + torch.einsum("bihd,ijhd->bhij", q + w, r)
+        scores = (scores / d_head**0.5).masked_fill(~visible, float("-inf"))
+        attended = torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v).reshape(batch, length, heads * d_head)
+        out = attended @ weights[p + "dec_attn.o_net.weight"].T
+        o = h + out if pre else norm(h + out, p + "dec_attn.layer_norm")
+        ff_in = norm(o, p + "pos_ff.layer_norm") if pre else o
+        hidden = torch.relu(ff_in @ weights[p + "pos_ff.CoreNet.0.weight"].T + weights[p + "pos_ff.CoreNet.0.bias"])
+        ff = hidden @ weights[p + "pos_ff.CoreNet.3.weight"].T + weights[p + "pos_ff.CoreNet.3.bias"]
+        h = o + ff if pre else norm(o + ff, p + "pos_ff.layer_norm")
+    return adaptive_log_softmax(config, weights, h), new_mems
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_float64_transformer_xl_oracle_gives_transfo_xls_three_segments(case):
+    """The paper's Transformer-XL in float64 (above) reproduces TransfoXL 4.35.2 on every segment, from empty
+    memories: the log-probabilities and every layer's memory. It is the oracle the port is checked against; its
+    one reading of the code is the same_length window (each query sees mem_len keys, itself included)."""
+    config, weights, reference = load_case(case)
+    mems = [torch.zeros(2, 0, config["d_model"], dtype=torch.float64) for _ in range(config["n_layer"])]
+    for s in range(3):
+        log_probs, mems = transfo_xl_reference(config, weights, reference["input_ids"][s], mems)
+        torch.testing.assert_close(log_probs, reference[f"s{s}.log_probs"].double(), rtol=1e-5, atol=1e-5)
+        for layer, memory in enumerate(mems):
+            torch.testing.assert_close(memory.transpose(0, 1), reference[f"s{s}.mems.{layer}"].double(),
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_transfo_xls_own_first_segment_is_mem_len_zero_vectors(case):
+    """TransfoXL's default first segment (``mems=None``) attends to ``mem_len`` zero vectors per layer, which the
+    authors' code did not have: the oracle given those zeros as memory reproduces it (how to get the port's start)."""
+    config, weights, reference = load_case(case)
+    zeros = [torch.zeros(2, config["mem_len"], config["d_model"], dtype=torch.float64)
+             for _ in range(config["n_layer"])]
+    log_probs, _ = transfo_xl_reference(config, weights, reference["input_ids"][0], zeros)
+    torch.testing.assert_close(log_probs, reference["zero_start.log_probs"].double(), rtol=1e-5, atol=1e-5)
