@@ -279,7 +279,7 @@ def _add_experiment_commands(command) -> None:
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="runs trained at once, one thread each (default: the CPU cores available)")
     p.add_argument("--quick", action="store_true",
-                   help="a few-minute run (at most 200 steps, 1 seed, tasks copy sort parity unless --tasks), marked as such")
+                   help="a few-minute run (at most 200 steps, 1 seed, tasks copy replace parity unless --tasks), marked as such")
     p.add_argument("--resume", action="store_true", help="train only the runs not yet recorded in --output-dir")
     p.add_argument("--report", action="store_true",
                    help="train nothing: write the table and plots of the runs recorded so far (marked partial)")

@@ -147,8 +147,9 @@ def distinct_instances(task: str, length: int, items: int = ITEMS) -> int:
 
 def held_out(task: str, instances: Iterable[Instance], items: int = ITEMS) -> frozenset:
     """The ids of ``instances`` that training must skip: those at a length where the task has at least
-    :data:`HOLD_OUT_FACTOR` times as many distinct instances as ``instances`` holds there (elsewhere, e.g. parity of
-    1-2 bits, skipping them would leave training no instance of that length)."""
+    :data:`HOLD_OUT_FACTOR` times as many distinct instances as ``instances`` holds there (elsewhere skipping them
+    would leave training few or no instances of that length: with 20 held out per length, parity of 1-6 bits and
+    summation of 1 digit)."""
     instances = list(instances)
     per_length = Counter(i.length for i in instances)
     return frozenset(i.ids for i in instances

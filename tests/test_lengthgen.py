@@ -195,9 +195,9 @@ def test_the_gate_keeps_unlearned_runs_out_of_every_mean():
     assert headline == {"alibi": [f"{100 * alibi['3']:.1f} ± {100 * alibi['3_std']:.1f} (2 of 3)"],
                         "nope": ["not learned (in 95.0)"]}
     per_task = _table_rows(table, "copy")
-    assert per_task["nope"] == ["0 of 2", "0.001", f"{100 * nope['best_accuracy']:.1f} ± "
+    assert per_task["nope"] == ["0 of 2 run", "0.001", f"{100 * nope['best_accuracy']:.1f} ± "
                                 f"{100 * nope['best_accuracy_std']:.1f}", "-", "-", "-", "-"]
-    assert per_task["alibi"][:2] == ["2 of 3", "0.001"]
+    assert per_task["alibi"][:2] == ["2 of 3 run", "0.001"]
     assert "copy alibi seed 2 (40.0%); copy nope seed 0 (50.0%); copy nope seed 1 (95.0%)" in table
 
 
@@ -601,4 +601,25 @@ def test_report_writes_the_table_of_the_runs_recorded_so_far_and_trains_nothing(
         assert err.startswith("hf-relpos lengthgen: error: ") and err.count("\n") == 1 and expected in err, err
     empty = tmp_path / "empty"
     assert hf_relpos_cli.main(["lengthgen", "--output-dir", str(empty), *TINY, "--report"]) == 2
-    assert "no lengthgen run to resume" in capsys.readouterr().err
+    assert "--report: no lengthgen run is recorded in" in capsys.readouterr().err
+    assert hf_relpos_cli.main(argv + ["--report", "--items", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--report: " in err and "items 8, vocabulary" in err and "give the options it was run with" in err
+
+
+def test_report_with_one_learning_rate_counts_every_recorded_seed(tmp_path, capsys):
+    """With one learning rate a seed is reported whichever seeds are missing (the first seed may finish last under
+    --jobs); a mean over fewer seeds than asked for says how many; a record whose settings are not a mapping is
+    skipped."""
+    out = tmp_path / "lg"
+    argv = ["lengthgen", "--tasks", "copy", "--schemes", "nope", "--seeds", "2", "--gate", "0.01",
+            "--output-dir", str(out), *TINY]
+    assert hf_relpos_cli.main(argv) == 0
+    command.record_path(out, "copy", "nope", 0, 1e-3).unlink()
+    stray = command.record_path(out, "copy", "nope", 5, 1e-3)
+    stray.write_text(json.dumps({"settings": [1, 2]}))
+    assert hf_relpos_cli.main(argv + ["--report"]) == 0
+    data = json.loads((out / "lengthgen.json").read_text())
+    assert [r["seeds"] for r in data["rows"]] == [[1]] and data["meta"]["runs_recorded"] == 1
+    learned = dict(data["rows"][0], learned=[1], best_accuracy_seeds=[1.0], out=0.5, out_std=0.0)
+    assert command._cell(learned, "out", 2) == "50.0 (1 of 2)" and command._cell(learned, "out", 1) == "50.0"

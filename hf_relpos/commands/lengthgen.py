@@ -128,9 +128,11 @@ def lengthgen(options: LengthgenOptions) -> Path:
         raise UserError(f"--jobs must be >= 1, got {options.jobs}")
     if options.report and options.overwrite:
         raise UserError("--report reads the runs recorded so far, --overwrite trains every run again: give one")
-    if options.report:
-        options = dataclasses.replace(options, resume=True)
     out = output_folder(options.output_dir or f"runs/lengthgen-{time.strftime('%Y%m%d-%H%M%S')}")
+    if options.report:
+        if not (out / "records").is_dir():
+            raise UserError(f"--report: no lengthgen run is recorded in {str(out)!r}: give the folder of a run")
+        options = dataclasses.replace(options, resume=True)
     check_results_folder(
         out, LENGTHGEN_FILE, "lengthgen run", "records", options.resume, options.overwrite,
         "pass --resume to train only the runs not yet recorded, "
@@ -152,7 +154,7 @@ def record_path(out: Path, task: str, scheme: str, seed: int, lr: float) -> Path
     return out / "records" / task / scheme / f"lr-{float(lr)!r}" / f"seed-{seed}.json"
 
 
-def _check_folder(out: Path, settings: dict) -> None:
+def _check_folder(out: Path, settings: dict, flag: str = "--resume") -> None:
     """Under --resume, every record already in ``out`` must have been made with ``settings``: a resume with other
     settings (or tasks the folder's records do not cover) would otherwise write one table over two experiments."""
     for path in sorted((out / "records").rglob("seed-*.json")):
@@ -160,12 +162,15 @@ def _check_folder(out: Path, settings: dict) -> None:
             recorded = json.loads(path.read_text())["settings"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # cut short: trained again if this command needs it
+        if not isinstance(recorded, dict):
+            continue  # not a record of this command (edited by hand): never read as one
         changed = [name for name in RUN_SETTINGS if recorded.get(name) != settings[name]]
         if changed:
             was = ", ".join(f"{name} {recorded.get(name)!r}" for name in changed)
             now = ", ".join(f"{name} {settings[name]!r}" for name in changed)
-            raise UserError(f"--resume: {path} was run with {was}, this command gives {now}: resume with the "
-                            "original options, or use --overwrite or a new --output-dir")
+            advice = ("give the options it was run with" if flag == "--report" else
+                      "resume with the original options, or use --overwrite or a new --output-dir")
+            raise UserError(f"{flag}: {path} was run with {was}, this command gives {now}: {advice}")
 
 
 def _read_record(path: Path, settings: dict, resume: bool) -> Optional[dict]:
@@ -211,7 +216,7 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
 
     settings = _settings(options)
     if options.resume:
-        _check_folder(out, settings)
+        _check_folder(out, settings, "--report" if options.report else "--resume")
     seeds = [options.seed + k for k in range(options.seeds)]
     lrs = list(dict.fromkeys(float(lr) for lr in options.lrs))
     groups = [(task, scheme) for task in tasks for scheme in schemes]
@@ -242,9 +247,11 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
                                 f"out {record['accuracy']['out']:.0%}", refresh=False)
             bar.update()
 
-    def choice(group):  # None: no run of the first seed recorded (under --report)
+    def choice(group):  # None: several rates and no run of the first seed recorded yet (under --report)
+        if len(lrs) == 1:
+            return lrs[0]
         tried = [records[(*group, seeds[0], lr)] for lr in lrs if records.get((*group, seeds[0], lr))]
-        return None if not tried else lrs[0] if len(lrs) == 1 else choose_lr(tried)
+        return choose_lr(tried) if tried else None
 
     try:
         run_phase(first)
@@ -555,13 +562,14 @@ def _first_out_bucket(meta: dict) -> str:
     return lg.bucket_name(next((b for b in buckets if b[0] > meta["train_length"]), buckets[-1]))
 
 
-def _cell(row: dict, key: str) -> str:
-    """A bucket's mean ± std over the learned runs, the share of runs learned when not all, or "not learned" with
-    the best in-distribution accuracy."""
+def _cell(row: dict, key: str, seeds: int) -> str:
+    """A bucket's mean ± std over the learned runs, "(k of n)" when fewer than the ``seeds`` asked for are behind it
+    (the others not learned, or in a partial table not run yet), or "not learned" with the best in-distribution
+    accuracy."""
     if not row["learned"]:
         return f"not learned (in {100 * max(row['best_accuracy_seeds']):.1f})"
     text = f"{100 * row[key]:.1f}" + (f" ± {100 * row[f'{key}_std']:.1f}" if len(row["learned"]) > 1 else "")
-    return text if len(row["learned"]) == len(row["seeds"]) else f"{text} ({len(row['learned'])} of {len(row['seeds'])})"
+    return text if len(row["learned"]) == seeds else f"{text} ({len(row['learned'])} of {seeds})"
 
 
 def render_table(rows: list, meta: dict) -> str:
@@ -584,14 +592,15 @@ def render_table(rows: list, meta: dict) -> str:
         f"validation set of lengths 1-{length} (measured every {meta['eval_every']} steps), tested on "
         f"{meta['test_per_length']} instances at each length 1-{2 * length} (the same for every scheme and seed). "
         f"A run whose best validation accuracy is under {100 * gate:g}% is **not learned**: it is listed with that "
-        "accuracy and never averaged in; \"(k of n)\" counts the learned runs behind a mean.",
+        "accuracy and never averaged in; \"(k of n)\": a mean over k of the n seeds (the others not learned, or in "
+        "a partial table not run yet).",
         "",
     ]
     if headline:
         lines += [f"### Headline: lengths {first_out}, the first bucket past training", "",
                   "| scheme | " + " | ".join(headline) + " |", "| --- | " + " | ".join("---:" for _ in headline) + " |"]
         for scheme in meta["schemes"]:
-            cells = [next((_cell(r, first_out) for r in rows if r["task"] == task and r["scheme"] == scheme),
+            cells = [next((_cell(r, first_out, len(seeds)) for r in rows if r["task"] == task and r["scheme"] == scheme),
                           "not run yet") for task in headline]
             lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
     for task in meta["tasks"]:
@@ -606,8 +615,8 @@ def render_table(rows: list, meta: dict) -> str:
             if row["task"] == task:
                 best = f"{100 * row['best_accuracy']:.1f}" + (
                     f" ± {100 * row['best_accuracy_std']:.1f}" if len(row["seeds"]) > 1 else "")
-                cells = [_cell(row, b) if row["learned"] else "-" for b in buckets]
-                lines.append(f"| {row['scheme']} | {len(row['learned'])} of {len(row['seeds'])} | "
+                cells = [_cell(row, b, len(seeds)) if row["learned"] else "-" for b in buckets]
+                lines.append(f"| {row['scheme']} | {len(row['learned'])} of {len(row['seeds'])} run | "
                              f"{row['learning_rate']:g} | {best} | " + " | ".join(cells) + " |")
     missed = [(row, seed, accuracy) for row in rows for seed, accuracy in row["not_learned"].items()]
     if missed:
@@ -666,18 +675,19 @@ def plot_lengthgen(rows: list, meta: dict, path: Path) -> None:
     fig, axes = _panels(tasks, plt)
     colors = plt.get_cmap("tab10").colors
     for ax, task in zip(axes.flat, tasks):
-        missing = []
+        missing, unrun = [], []
         for index, scheme in enumerate(meta["schemes"]):
             row = next((r for r in rows if r["task"] == task and r["scheme"] == scheme), None)
             if row is None or not row["learned"]:
-                missing.append(scheme)
+                (unrun if row is None else missing).append(scheme)
                 continue
             lengths = [int(n) for n in row["by_length"]]
             ax.plot(lengths, [100 * v for v in row["by_length"].values()], label=scheme, linewidth=1.2,
                     color=colors[index % len(colors)], linestyle="-" if index < len(colors) else "--")
         ax.axvline(meta["train_length"] + 0.5, color="grey", linestyle=":", linewidth=1)
         control = " (control)" if task in lg.CONTROLS else ""
-        ax.set_title(f"{task}{control}" + (f"\nnot learned: {', '.join(missing)}" if missing else ""), fontsize=9)
+        notes = [f"not learned: {', '.join(missing)}"] * bool(missing) + [f"not run yet: {', '.join(unrun)}"] * bool(unrun)
+        ax.set_title("\n".join([f"{task}{control}", *notes]), fontsize=9)
         ax.set_xlabel("instance length (input items)")
         ax.grid(True, alpha=0.3)
     for ax in axes[:, 0]:
