@@ -8,7 +8,8 @@ tokenizer unpickles ``vocab.pkl``; from 4.5x its forward fails on recent torch).
     /work/venv-txl/bin/python scripts/transfo_xl_golden.py tests/fixtures/transfo_xl
 
 For each case below it writes ``<out>/<case>/``: the model as TransfoXL saved it (``config.json`` with the legacy
-keys, ``model.safetensors`` or ``pytorch_model.bin``), and ``reference.safetensors``: the input ids of three
+keys, ``model.safetensors``; a ``.bin`` case's state dict, tied copies
+included, is converted to safetensors so that no pickle is committed), and ``reference.safetensors``: the input ids of three
 consecutive segments (``input_ids``, ``[3, batch, length]``) and, per segment ``s``, what TransfoXLLMHeadModel gives
 with the memories of the segment before: ``s{s}.log_probs`` (``[batch, length, vocab]``), ``s{s}.mems.{layer}``
 (time-major ``[memory, batch, d_model]``, as TransfoXL returns them), ``s{s}.last_hidden`` (the last layer's
@@ -80,6 +81,11 @@ def make_case(name: str, options: dict, out: Path, seed: int) -> None:
     randomise(model, seed)
     folder = out / name
     model.save_pretrained(folder, safe_serialization=name not in BIN_CASES)
+    if name in BIN_CASES:  # its .bin state dict (tied copies included) kept as safetensors: no pickle is committed;
+        # tests/test_transfo_xl_fixtures.py writes it back as a .bin to read through torch.load(weights_only=True)
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        save_file({key: value.clone().contiguous() for key, value in state.items()}, str(folder / "model.safetensors"))
+        (folder / "pytorch_model.bin").unlink()
     ids = torch.randint(0, config.vocab_size, (SEGMENTS, BATCH, LENGTH), generator=torch.Generator().manual_seed(seed))
     reference = {"input_ids": ids.contiguous()}
     mems = [torch.empty(0, BATCH, config.d_model) for _ in range(config.n_layer)]  # the authors' empty start

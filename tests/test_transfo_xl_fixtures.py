@@ -7,6 +7,7 @@ log p(w) = log p(head cluster) + log p(w | cluster))."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -19,13 +20,20 @@ FIXTURES = Path(__file__).parent / "fixtures" / "transfo_xl"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 
 
+# Saved by TransfoXL as a .bin state dict (tied copies included), committed as safetensors (no pickle in the
+# repository) and written back as a .bin here, read as a converter reads one: tensors only, weights_only=True.
+BIN_CASES = {"wt103_shape"}
+
+
 def load_case(name: str):
     folder = FIXTURES / name
     config = json.loads((folder / "config.json").read_text())
-    if (folder / "model.safetensors").is_file():
-        weights = load_file(str(folder / "model.safetensors"))
-    else:  # a .bin state dict: tensors only, never arbitrary objects
-        weights = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    weights = load_file(str(folder / "model.safetensors"))
+    if name in BIN_CASES:
+        buffer = io.BytesIO()
+        torch.save(weights, buffer)
+        buffer.seek(0)
+        weights = torch.load(buffer, map_location="cpu", weights_only=True)
     return config, {k: v.double() for k, v in weights.items()}, load_file(str(folder / "reference.safetensors"))
 
 
@@ -144,7 +152,7 @@ def test_the_adaptive_softmax_oracle_gives_transfo_xls_log_probabilities(case):
         assert log_probs.logsumexp(-1).abs().max() < 1e-12
         expected = reference[f"s{s}.log_probs"].double()
         assert torch.allclose(log_probs, expected, rtol=1e-5, atol=1e-4), (log_probs - expected).abs().max()
-    if (FIXTURES / case / "model.safetensors").is_file() and config["div_val"] > 1:  # .bin files keep tied copies
+    if case not in BIN_CASES and config["div_val"] > 1:  # .bin files keep tied copies
         assert config.get("tie_word_embeddings", True) == ("crit.out_layers.1.weight" not in weights)
 
 
