@@ -10,8 +10,8 @@ Exit status: 0 on success; 2 for a user error, printed as one line
 ``hf-relpos <command>: error: <what was given, what is allowed>`` (a traceback only with ``--debug``
 or ``HF_RELPOS_DEBUG=1``); 130 after Ctrl-C; an unexpected exception prints its traceback (1).
 
-Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``compare``, ``inspect``, ``export``,
-``serve``, ``lengthgen``. Without ``make``::
+Commands: ``train``, ``generate``, ``eval``, ``validate-t5``, ``convert-t5``, ``convert-transfo-xl``, ``compare``,
+``inspect``, ``export``, ``serve``, ``lengthgen``. Without ``make``::
 
     hf-relpos train --position-encoding alibi --output-dir runs/alibi --steps 300
     hf-relpos inspect runs/alibi --prompt "The for statement"   # runs/alibi/inspect/*.png
@@ -50,6 +50,7 @@ COMMANDS = {
     "generate": "hf_relpos.commands.generate:generate_command",
     "validate-t5": "hf_relpos.commands.t5:validate_t5_command",
     "convert-t5": "hf_relpos.commands.t5:convert_t5_command",
+    "convert-transfo-xl": "hf_relpos.commands.transfo_xl:convert_transfo_xl_command",
     "compare": "hf_relpos.commands.compare:compare_command",
     "inspect": "hf_relpos.commands.inspect:inspect_command",
     "export": "hf_relpos.commands.export:export_command",
@@ -199,7 +200,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _add_model_commands(command) -> None:
-    """train, generate, eval, validate-t5, convert-t5."""
+    """train, generate, eval, validate-t5, convert-t5, convert-transfo-xl."""
     p = command("train", "train one scheme and write a Hub-ready folder")
     _add_training_arguments(p, "train")
 
@@ -232,6 +233,13 @@ def _add_model_commands(command) -> None:
     p = command("convert-t5", "an upstream T5 checkpoint folder as an hf_relpos encoder-decoder folder")
     p.add_argument("src_folder", help="a local folder of a transformers T5ForConditionalGeneration (safetensors)")
     p.add_argument("out_folder", help="where the converted model, its code and its model card go")
+    p.add_argument("--overwrite", action="store_true", help="replace an hf-relpos model already in OUT_FOLDER")
+
+    p = command("convert-transfo-xl", "a transformers 4.x TransfoXL folder (transfo-xl-wt103's format) as an "
+                "hf_relpos causal-LM folder, vocab.pkl as tokenizer.json")
+    p.add_argument("src_folder", help="a local folder of a TransfoXLLMHeadModel: config.json, model.safetensors or "
+                   "pytorch_model.bin (tensors only), vocab.pkl (optional)")
+    p.add_argument("out_folder", help="where the converted model, its code, card and tokenizer go")
     p.add_argument("--overwrite", action="store_true", help="replace an hf-relpos model already in OUT_FOLDER")
 
 

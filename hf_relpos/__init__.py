@@ -27,6 +27,7 @@ from .modeling_relpos import (
 )
 
 from .t5_conversion import from_t5
+from .transfo_xl_conversion import from_transfo_xl
 from .versions import untested_transformers_warning
 
 __version__ = "0.2.0"
@@ -49,6 +50,7 @@ __all__ = [
     "RelPosForConditionalGeneration",
     "RelPosPreTrainedModel",
     "from_t5",
+    "from_transfo_xl",
     "POSITION_ENCODINGS",
     "POSITION_SCHEMES",
 ]

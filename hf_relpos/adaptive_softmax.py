@@ -128,3 +128,20 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             tail = self._logits(hidden, i, *self._table(i)).log_softmax(-1)
             parts.append(head[..., shortlist + i - 1 : shortlist + i] + tail)
         return torch.cat(parts, -1)
+
+
+def tied_names(clusters: int, hidden_size: int, embedding_size: int, div_val: int, tables: bool, projs) -> dict:
+    """``{softmax parameter: embedding parameter}`` that TransfoXL ties: each cluster's output table to its input
+    table (``tables``), each output projection flagged in ``projs`` to the input's (the one projection of a single
+    table, else the cluster's own; none where a single table needs no projection)."""
+    tied = {}
+    if tables:
+        for i in range(1 if div_val == 1 else clusters):
+            tied[f"out_layers.{i}.weight"] = f"emb_layers.{i}.weight"
+    if div_val == 1 and embedding_size == hidden_size:
+        return tied
+    for i, tie in enumerate(projs):
+        if tie:
+            tied[f"out_projs.{i}.weight"] = f"emb_projs.{0 if div_val == 1 else i}.weight"
+    return tied
+

@@ -20,6 +20,12 @@ CAUSAL_ONLY = ("fire", "nope", "fox")
 HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu")
 # T5's feed-forward names: "ACT" or "gated-ACT"; T5 maps "gated-gelu" to gelu_new (its v1.1 checkpoints).
 FEED_FORWARD_PROJS = HIDDEN_ACTS + tuple(f"gated-{act}" for act in HIDDEN_ACTS)
+NORM_TYPES = ("rms_norm", "layer_norm")
+# "pre": x + f(norm(x)) (Llama, T5); "post": norm(x + f(x)) (Vaswani et al., released Transformer-XL).
+NORM_POSITIONS = ("pre", "post")
+# Where hidden_dropout applies besides the residual branches and the embeddings: "t5" also drops the MLP's
+# activations and the stack's output (T5); "transfo_xl" also drops the sinusoid R once per forward (Dai et al.).
+DROPOUT_PLACEMENTS = ("residual", "t5", "transfo_xl")
 
 
 def _is_int(value) -> bool:
@@ -77,6 +83,26 @@ FIELD_RULES = {
     "tie_word_embeddings": _BOOLEAN,
     "scale_decoder_outputs": _BOOLEAN,
     "num_decoder_layers": _OPTIONAL_POSITIVE_INT,
+    "cutoffs": (
+        lambda value: value is None or (isinstance(value, list) and all(_is_int(c) and c >= 1 for c in value)),
+        "None (one token table and output layer) or a list of positive ints (the adaptive clusters' first ids)",
+    ),
+    "div_val": _POSITIVE_INT,
+    "embedding_size": _OPTIONAL_POSITIVE_INT,
+    "tie_projs": (
+        lambda value: value is None or (isinstance(value, list) and all(isinstance(t, bool) for t in value)),
+        "None (all but the first) or a list of bools, one per adaptive cluster",
+    ),
+    "norm_type": (lambda value: value in NORM_TYPES, f"one of {list(NORM_TYPES)}"),
+    "norm_position": (lambda value: value in NORM_POSITIONS, f"one of {list(NORM_POSITIONS)}"),
+    "final_norm": _BOOLEAN,
+    "mlp_bias": (lambda value: value is None or isinstance(value, bool), "None (attention_bias), True or False"),
+    "dropout_placement": (
+        lambda value: value is None or value in DROPOUT_PLACEMENTS,
+        f"None (T5's for an encoder-decoder, else residual only) or one of {list(DROPOUT_PLACEMENTS)}",
+    ),
+    "same_length": _BOOLEAN,
+    "ext_len": (_int_at_least(0), "an int >= 0"),
 }
 
 
@@ -114,6 +140,18 @@ class RelPosConfig(PreTrainedConfig):
     bidirectional: distances up to ``W`` on both sides), in the model's masks and in Transformers' caches;
     for Transformer-XL with memory it is ``mem_len + 1``. In an encoder-decoder it limits both stacks'
     self-attention; cross-attention (and its cache) always covers the whole source.
+
+    The released Transformer-XL's options (``from_transfo_xl`` sets them; new models may use them too):
+    ``cutoffs`` (a list) replaces the token table and output layer with an adaptive input (Baevski & Auli 2019)
+    and adaptive softmax (Grave et al. 2017) whose clusters start at those ids, vectors of ``embedding_size //
+    div_val**i`` (``embedding_size`` defaults to ``hidden_size``), output projections tied to the input's where
+    ``tie_projs`` says (default all but the first); the causal LM's logits are then log-probabilities.
+    ``norm_type`` (``"rms_norm"`` or ``"layer_norm"``, with a bias; ``rms_norm_eps`` is either's epsilon),
+    ``norm_position`` (``"pre"``: ``x + f(norm(x))``; ``"post"``: ``norm(x + f(x))``), ``final_norm`` (the norm
+    after the last layer), ``mlp_bias`` (default ``attention_bias``) and ``dropout_placement`` (``"residual"``,
+    ``"t5"``: also the MLP's activations and the stack's output, ``"transfo_xl"``: also the sinusoid ``R``).
+    ``same_length`` (Transformer-XL with memory): every query sees ``mem_len`` keys, itself included (the window
+    is ``mem_len``); ``ext_len``: the memory ends ``ext_len`` tokens before the segment's end (Dai et al.'s code).
 
     Example:
 
@@ -161,6 +199,17 @@ class RelPosConfig(PreTrainedConfig):
     attention_bias: bool = False
     use_cache: bool = True
     tie_word_embeddings: bool = True
+    cutoffs: list[int] | None = None
+    div_val: int = 1
+    embedding_size: int | None = None
+    tie_projs: list[bool] | None = None
+    norm_type: str = "rms_norm"
+    norm_position: str = "pre"
+    final_norm: bool = True
+    mlp_bias: bool | None = None
+    dropout_placement: str | None = None
+    same_length: bool = False
+    ext_len: int = 0
     pad_token_id: int | None = 0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = 1
@@ -225,10 +274,25 @@ class RelPosConfig(PreTrainedConfig):
                 f"RelPosConfig.mem_len must be 0 unless position_encoding='transformer_xl', got mem_len={self.mem_len} "
                 f"with position_encoding={self.position_encoding!r}"
             )
-        if self.memory_window is None:  # with memory the window is mem_len + 1, whatever was set before mem_len
+        self._check_adaptive()
+        memory = self.position_encoding == "transformer_xl" and self.mem_len > 0
+        for name, value, default in (("same_length", self.same_length, False), ("ext_len", self.ext_len, 0)):
+            if value != default and not memory:
+                raise ValueError(
+                    f"RelPosConfig.{name} must be {default!r} unless position_encoding='transformer_xl' with mem_len > 0, "
+                    f"got {value!r} with position_encoding={self.position_encoding!r}, mem_len={self.mem_len}"
+                )
+        if self.dropout_placement == "transfo_xl" and self.position_encoding != "transformer_xl":
+            raise ValueError(
+                "RelPosConfig.dropout_placement='transfo_xl' (which drops the sinusoid R) needs "
+                f"position_encoding='transformer_xl', got {self.position_encoding!r}"
+            )
+        if self.memory_window is None:  # with memory the window is mem_len (+ 1), whatever was set before mem_len
             self._check_window(getattr(self, "_window", None))
         if self.is_encoder_decoder:
             self._check_encoder_decoder()
+            if self.norm_position != "pre":
+                raise ValueError(f"RelPosConfig.norm_position must be 'pre' for an encoder-decoder, got {self.norm_position!r}")
         for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value < self.vocab_size):
@@ -242,6 +306,54 @@ class RelPosConfig(PreTrainedConfig):
                 f"RelPosConfig.eos_token_id must be None, an int or a list of ints in [0, vocab_size={self.vocab_size}), "
                 f"got {eos!r}"
             )
+
+    def _check_adaptive(self) -> None:
+        """Adaptive input and softmax (``cutoffs``): clusters inside the vocabulary, each with a vector of at least
+        one value; ``div_val``, ``embedding_size`` and ``tie_projs`` mean something only with them."""
+        cutoffs = self.cutoffs
+        if cutoffs is None:
+            for name, default in (("div_val", 1), ("embedding_size", None), ("tie_projs", None)):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"RelPosConfig.{name} must be {default!r} without cutoffs (an adaptive input and softmax), "
+                        f"got {getattr(self, name)!r}"
+                    )
+            return
+        if any(b <= a for a, b in zip(cutoffs, cutoffs[1:])) or (cutoffs and cutoffs[-1] >= self.vocab_size):
+            raise ValueError(
+                f"RelPosConfig.cutoffs must increase strictly and stay below vocab_size={self.vocab_size}, got {cutoffs}"
+            )
+        if self.is_encoder_decoder:
+            raise ValueError(f"RelPosConfig.cutoffs must be None for an encoder-decoder (one shared table), got {cutoffs}")
+        if self.position_encoding == "sinusoidal":  # both would scale the token vectors by sqrt(hidden_size)
+            raise ValueError(
+                f"RelPosConfig.cutoffs must be None for position_encoding='sinusoidal' (the adaptive input is already "
+                f"scaled by sqrt(hidden_size), as the scheme would scale it again), got {cutoffs}"
+            )
+        smallest = self.adaptive_embedding_size // self.div_val ** len(cutoffs)
+        if smallest < 1:
+            raise ValueError(
+                f"RelPosConfig.div_val must leave the last cluster a vector (embedding_size // div_val**{len(cutoffs)} "
+                f">= 1, embedding_size={self.adaptive_embedding_size}), got {self.div_val}"
+            )
+        if self.tie_projs is not None and len(self.tie_projs) != len(cutoffs) + 1:
+            raise ValueError(
+                f"RelPosConfig.tie_projs must have one bool per cluster (len(cutoffs) + 1 = {len(cutoffs) + 1}), "
+                f"got {self.tie_projs}"
+            )
+
+    @property
+    def adaptive_embedding_size(self) -> int:
+        """The adaptive clusters' largest vector size (TransfoXL's ``d_embed``): ``embedding_size`` or ``hidden_size``."""
+        return self.embedding_size if self.embedding_size is not None else self.hidden_size
+
+    @property
+    def projection_ties(self) -> list:
+        """Which output projections of the adaptive softmax are the input's (``tie_projs``; by default all but the
+        head's, TransfoXL's ``proj_share_all_but_first``)."""
+        if self.tie_projs is not None:
+            return list(self.tie_projs)
+        return [False] + [True] * len(self.cutoffs or [])
 
     def validate(self) -> None:
         """Transformers validates a config before saving it: every rule runs again, so that a field set to a bad
@@ -283,9 +395,10 @@ class RelPosConfig(PreTrainedConfig):
     @property
     def memory_window(self) -> int | None:
         """Transformer-XL with memory: the window of its sliding decoding memory, ``mem_len + 1`` (the
-        window counts the query itself); None for every other configuration."""
+        window counts the query itself), ``mem_len`` with ``same_length``; None for every other configuration."""
         if self.position_encoding == "transformer_xl" and _is_int(self.mem_len) and self.mem_len > 0:
-            return self.mem_len + 1
+            # same_length (Dai et al.'s evaluation): every query sees mem_len keys, itself included.
+            return self.mem_len if self.same_length is True else self.mem_len + 1
         return None
 
     @property
@@ -309,8 +422,8 @@ class RelPosConfig(PreTrainedConfig):
         memory = self.memory_window
         if memory is not None and window not in (None, memory):
             raise ValueError(
-                f"RelPosConfig.sliding_window must be None or mem_len + 1 = {memory} for transformer_xl with "
-                f"mem_len={self.mem_len} (its decoding memory is that window), got {window!r}"
+                f"RelPosConfig.sliding_window must be None or {memory} for transformer_xl with mem_len={self.mem_len} "
+                f"and same_length={self.same_length} (its decoding memory is that window), got {window!r}"
             )
 
     def to_dict(self):
@@ -318,6 +431,13 @@ class RelPosConfig(PreTrainedConfig):
         output.pop("_window", None)
         output["sliding_window"] = self.sliding_window
         return output
+
+    @property
+    def dropout_rule(self) -> str:
+        """``dropout_placement``, or where unset T5's for an encoder-decoder and the residual branches otherwise."""
+        if self.dropout_placement is not None:
+            return self.dropout_placement
+        return "t5" if self.is_encoder_decoder else "residual"
 
     @property
     def mlp_activation(self) -> tuple[str, bool]:

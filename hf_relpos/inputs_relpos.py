@@ -315,7 +315,7 @@ def _check_mems(model, mems, cache, past: Optional[int], batch: int) -> int:
         raise ValueError(f"mems must be a list of num_hidden_layers={config.num_hidden_layers} tensors, got {got}")
     first = mems[0]
     mem_length = first.shape[1] if isinstance(first, torch.Tensor) and first.dim() == 3 else -1
-    dtype = model.embed_tokens.weight.dtype
+    dtype = next(model.embed_tokens.parameters()).dtype
     for layer_idx, mem in enumerate(mems):
         if isinstance(mem, torch.Tensor) and mem.dtype != dtype:
             raise ValueError(f"mems[{layer_idx}] must have the model's dtype {dtype}, got {mem.dtype}")

@@ -33,11 +33,17 @@ _PARAMETER_FIELDS = (
     (r"(q_proj|k_proj|v_proj)\.weight", (_HEADS, ("hidden_size",))),
     (r"(q_proj|k_proj|v_proj)\.bias", (_HEADS,)),
     (r"o_proj\.weight", (("hidden_size",), _HEADS)),
-    (r"(o_proj|down_proj)\.bias|\w*norm\.weight", (("hidden_size",),)),
+    (r"(o_proj|down_proj)\.bias|\w*norm\.(weight|bias)", (("hidden_size",),)),
     (r"(up_proj|gate_proj)\.weight", (("intermediate_size",), ("hidden_size",))),
     (r"(up_proj|gate_proj)\.bias", (("intermediate_size",),)),
     (r"down_proj\.weight", (("hidden_size",), ("intermediate_size",))),
     (r"score\.weight", (("num_labels",), ("hidden_size",))),
+    # adaptive input and softmax (cutoffs): clusters of vocab_size cut at cutoffs, vectors sized by div_val
+    (r"(emb_layers|out_layers)\.\d+\.weight", (("vocab_size", "cutoffs"), ("embedding_size", "div_val"))),
+    (r"out_layers\.\d+\.bias", (("vocab_size", "cutoffs"),)),
+    (r"(emb_projs|out_projs)\.\d+\.weight", (("hidden_size",), ("embedding_size", "div_val"))),
+    (r"cluster_weight", (("cutoffs",), ("embedding_size",))),
+    (r"cluster_bias", (("cutoffs",),)),
 ) + tuple(entry for scheme in dict.fromkeys(POSITION_SCHEMES.values()) for entry in scheme.parameter_fields)
 # What a checkpoint may lack (parameters Transformers creates and initialises, non-persistent buffers): as many
 # values as it holds, and at least this many (a new classification head or position table on a tiny model).

@@ -40,6 +40,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
+from .adaptive_softmax import AdaptiveEmbedding, AdaptiveProjection, ProjectedAdaptiveLogSoftmax, tied_names
 from .attention_backends import TRITON, cross_attention, triton_refusal
 from .configuration_relpos import RelPosConfig
 from .flex_backend import flex_refusal
@@ -113,20 +114,27 @@ class RelPosRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
+def make_norm(config: RelPosConfig) -> nn.Module:
+    """The norm ``config.norm_type`` names: RMSNorm (weight only, computed in float32), or LayerNorm with a bias
+    computed in the model's dtype (as the released Transformer-XL's); ``rms_norm_eps`` is either's epsilon."""
+    if config.norm_type == "layer_norm":
+        return nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
 class RelPosMLP(nn.Module):
     """``down(act(up(x)))``, or with ``feed_forward_proj="gated-ACT"`` ``down(act(gate(x)) * up(x))`` (T5 v1.1)."""
 
     def __init__(self, config: RelPosConfig):
         super().__init__()
         act, gated = config.mlp_activation
-        self.gate_proj = (
-            nn.Linear(config.hidden_size, config.intermediate_size, bias=config.attention_bias) if gated else None
-        )
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.attention_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.attention_bias)
+        bias = config.attention_bias if config.mlp_bias is None else config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias) if gated else None
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[act]
-        # An encoder-decoder drops the activations too, as T5's DenseReluDense (decoder-only models do not).
-        self.dropout = nn.Dropout(config.hidden_dropout) if config.is_encoder_decoder else nn.Identity()
+        # T5's DenseReluDense and Transformer-XL's CoreNet drop the activations too (dropout_rule).
+        self.dropout = nn.Dropout(config.hidden_dropout) if config.dropout_rule != "residual" else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is None:
@@ -235,17 +243,19 @@ class RelPosCrossAttention(nn.Module):
 
 class RelPosDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm: self-attention with the position scheme, then (an encoder-decoder's decoder) cross-attention
-    to the encoder's states, then the MLP; each adds to the residual stream."""
+    to the encoder's states, then the MLP; each adds to the residual stream. Post-norm (``norm_position="post"``,
+    the released Transformer-XL): ``norm(x + attention(x))``, then ``norm(o + MLP(o))``; its memory is not normed."""
 
     def __init__(self, config: RelPosConfig, layer_idx: int):
         super().__init__()
+        self.post_norm = config.norm_position == "post"
         self.self_attn = RelPosAttention(config, layer_idx)
-        self.input_layernorm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = make_norm(config)
         if config.is_encoder_decoder and config.is_decoder:
             self.encoder_attn = RelPosCrossAttention(config, layer_idx)
-            self.encoder_attn_layernorm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.encoder_attn_layernorm = make_norm(config)
         self.mlp = RelPosMLP(config)
-        self.post_attention_layernorm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -258,9 +268,13 @@ class RelPosDecoderLayer(GradientCheckpointingLayer):
         cache: Optional[Cache] = None,
         encoder_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+        if self.post_norm:  # an encoder-decoder is pre-norm (checked by the config)
+            attended, _ = self.self_attn(hidden_states, term, ctx, memory, self_cache)
+            hidden_states = self.input_layernorm(hidden_states + self.dropout(attended))
+            return self.post_attention_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
         residual = hidden_states
         normed_memory = None if memory is None else self.input_layernorm(memory)
-        self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states), term, ctx, normed_memory, self_cache
         )
@@ -357,8 +371,24 @@ class RelPosPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))
         elif isinstance(module, RelPosRMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, AdaptiveProjection):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, ProjectedAdaptiveLogSoftmax) and hasattr(module, "cluster_weight"):
+            init.normal_(module.cluster_weight, mean=0.0, std=std)
+            init.zeros_(module.cluster_bias)
         elif hasattr(module, "init_position_weights"):  # a scheme's own parameters (position_schemes.py)
             module.init_position_weights(std)
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        if self.config.cutoffs is not None:
+            raise ValueError(
+                f"RelPosConfig.cutoffs={self.config.cutoffs}: an adaptive input and softmax cannot be resized (each "
+                "cluster has its own table); convert or build the model with the vocabulary it needs"
+            )
+        return super().resize_token_embeddings(*args, **kwargs)
 
     def _token_loss(self, logits, labels, **kwargs) -> torch.Tensor:
         """Transformers' loss of token logits (loss kwargs reach it); every label ignored gives 0, not NaN.
@@ -411,12 +441,18 @@ class RelPosModel(RelPosPreTrainedModel):
         super().__init__(config)
         # An encoder-decoder's pad id is also its decoder start token (T5): its row is trained, as upstream's.
         self.padding_idx = None if config.is_encoder_decoder else config.pad_token_id
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        if config.cutoffs is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        else:  # adaptive input (Baevski & Auli): no padding row, as TransfoXL's
+            self.embed_tokens = AdaptiveEmbedding(
+                config.vocab_size, config.hidden_size, config.adaptive_embedding_size, config.cutoffs, config.div_val
+            )
         self.position = POSITION_SCHEMES[config.position_encoding](config)
         if self.position.token_init_std is not None:
             self.embed_tokens.init_std = self.position.token_init_std
         self.layers = nn.ModuleList(RelPosDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # No final norm where the layers end normed (post-norm) or a checkpoint has none (TransfoXL pre_lnorm).
+        self.norm = make_norm(config) if config.final_norm else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.gradient_checkpointing = False
         self.post_init()
@@ -494,7 +530,7 @@ class RelPosModel(RelPosPreTrainedModel):
                 ctx=ctx, memory=memory, cache=cache, encoder_mask=encoder_mask,
             )
         hidden_states = self.norm(hidden_states)
-        if config.is_encoder_decoder:  # T5's stacks drop their normed output (decoder-only models do not)
+        if config.dropout_rule != "residual":  # T5's and Transformer-XL's stacks drop their output
             hidden_states = self.dropout(hidden_states)
         outputs = {"last_hidden_state": hidden_states, CACHE_FIELD: cache if use_cache else None}
         if cross:
@@ -521,9 +557,12 @@ class RelPosModel(RelPosPreTrainedModel):
         )
 
     def _update_memory(self, memory: Optional[torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
-        """Dai et al.'s memory: the last ``mem_len`` inputs of this layer, cut from the graph."""
+        """Dai et al.'s memory: the last ``mem_len`` inputs of this layer, cut from the graph; with ``ext_len`` the
+        last ``mem_len`` before the segment's final ``ext_len`` tokens (their code's ``_update_mems``)."""
         with torch.no_grad():
             states = hidden_states if memory is None else torch.cat([memory, hidden_states], dim=1)
+            if self.config.ext_len:
+                states = states[:, : states.shape[1] - min(self.config.ext_len, hidden_states.shape[1])]
             return states[:, -self.config.mem_len :].detach()
 
 
@@ -560,14 +599,48 @@ class RelPosForCausalLM(RelPosPreTrainedModel, CausalLMGenerationMixin):
             )
         super().__init__(config)
         self.model = RelPosModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.cutoffs is None:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:  # Grave et al.'s adaptive softmax: the logits are log-probabilities
+            self.lm_head = ProjectedAdaptiveLogSoftmax(
+                config.vocab_size, config.hidden_size, config.adaptive_embedding_size, config.cutoffs, config.div_val
+            )
+            # Read by Transformers' save_pretrained to drop the tied copies (the class's names a single table).
+            self._tied_weights_keys = self.tied_keys(config)
         self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        """With ``cutoffs``: each cluster's output table is its input table (``tie_word_embeddings``), and each output
+        projection the input's where ``tie_projs`` says (whatever ``tie_word_embeddings``, as TransfoXL ties them)."""
+        if self.config.cutoffs is None:
+            return super().get_expanded_tied_weights_keys(all_submodels)
+        return self.tied_keys(self.config)
+
+    @staticmethod
+    def tied_keys(config: RelPosConfig) -> dict:
+        """The adaptive softmax's parameters that are the adaptive input's, by full name (``cutoffs`` set)."""
+        names = tied_names(len(config.cutoffs) + 1, config.hidden_size, config.adaptive_embedding_size,
+                           config.div_val, config.tie_word_embeddings, config.projection_ties)
+        return {f"lm_head.{target}": f"model.embed_tokens.{source}" for target, source in names.items()}
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
+
+    def init_mems(self, batch_size: int) -> list:
+        """Empty Transformer-XL memories, one ``[batch_size, 0, hidden_size]`` per layer: the first segment then
+        attends to itself alone, as Dai et al.'s code starts (Transformers' TransfoXL started from ``mem_len`` zero
+        vectors instead: pass ``[torch.zeros(batch_size, mem_len, hidden_size)] * num_hidden_layers`` for that)."""
+        if self.config.mem_len == 0:
+            raise ValueError(
+                f"init_mems needs a model with memory (RelPosConfig.mem_len > 0), got mem_len=0 with "
+                f"position_encoding={self.config.position_encoding!r}"
+            )
+        parameter = next(self.parameters())
+        empty = torch.zeros(batch_size, 0, self.config.hidden_size, dtype=parameter.dtype, device=parameter.device)
+        return [empty] * self.config.num_hidden_layers
 
     @can_return_tuple
     def forward(

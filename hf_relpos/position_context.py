@@ -271,9 +271,17 @@ class PositionContext:
             position_ids = (torch.arange(length, device=device) + q_offset)[None]
         scheme.check_positions(position_ids)
         window = config.sliding_window if mems is None else None
+        window_offset = q_offset
+        if mems is not None and config.same_length:
+            # Every query sees mem_len keys, itself included (Dai et al.'s same_length): the memory's keys come
+            # first among the key indices, so query i sits at index mem_length + i for the window.
+            window, window_offset = config.mem_len, q_offset + mem_length
+            if documents is not None:
+                raise ValueError("packed sequences (cu_seq_lens_q, seq_idx or restarting position_ids) cannot be "
+                                 "combined with mems and same_length=True: pass one sequence per row")
         mask, recipe = self_attention_mask(
             attention_mask, documents, window, one_sided=config.is_decoder or config.memory_window is not None,
-            batch=batch, length=length, q_offset=q_offset, kv_length=kv_length, kv_offset=kv_offset,
+            batch=batch, length=length, q_offset=window_offset, kv_length=kv_length, kv_offset=kv_offset,
             mem_length=mem_length, device=device,
         )
         ctx = cls(

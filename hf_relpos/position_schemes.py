@@ -623,9 +623,11 @@ class TransformerXLRelative(nn.Module):
         self._projected = None
         return super().train(mode)
 
-    def _project(self, distances: torch.Tensor, dtype) -> torch.Tensor:
-        """``W_{k,R} R_d`` per head: ``[H, len(distances), D]``."""
-        r = self.r_net(sinusoidal_embedding(distances, self.hidden_size).to(dtype))
+    def _project(self, distances: torch.Tensor, dtype, sinusoid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``W_{k,R} R_d`` per head: ``[H, len(distances), D]`` (``sinusoid``: ``R`` already made, and dropped)."""
+        if sinusoid is None:
+            sinusoid = sinusoidal_embedding(distances, self.hidden_size)
+        r = self.r_net(sinusoid.to(dtype))
         # shape[0], not len(): len() of a traced length would fix it to the traced value
         return r.view(distances.shape[0], self.num_heads, self.head_dim).transpose(0, 1).contiguous()
 
@@ -642,9 +644,10 @@ class TransformerXLRelative(nn.Module):
         """
         weights = [p.detach() for p in self.r_net.parameters()]
         # Weights offloaded by accelerate sit on the meta device outside r_net's own forward: nothing to compare.
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(w.is_meta for w in weights):
+        kept = distances.sinusoid is None  # a dropped R is this forward's alone
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(w.is_meta for w in weights) or not kept:
             self._projected = None
-            return self._project(distances.values, dtype), self.r_w_bias, self.r_r_bias
+            return self._project(distances.values, dtype, distances.sinusoid), self.r_w_bias, self.r_r_bias
         device = distances.values.device
         cached = self._projected
         valid = cached is not None and self._same(cached[0], weights) and cached[1:3] == (device, dtype)
@@ -694,6 +697,9 @@ class RelativeDistances:
     values: torch.Tensor
     low: int
     high: int
+    # Training with dropout_placement="transfo_xl": the sinusoids R of ``values``, dropped once for all layers
+    # (Dai et al.'s ``pos_emb = self.drop(pos_emb)``); None otherwise (each layer computes and may keep its own).
+    sinusoid: Optional[torch.Tensor] = None
 
     @property
     def consecutive(self) -> bool:
@@ -728,10 +734,19 @@ class TransformerXLScheme(PositionScheme):
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.clamp_len = config.clamp_len
+        self.hidden_size = config.hidden_size
+        # Dai et al.'s code drops R once per forward, shared by every layer (dropout_placement="transfo_xl").
+        self.sinusoid_dropout = config.hidden_dropout if config.dropout_rule == "transfo_xl" else 0.0
 
     @staticmethod
     def layer_module(config):
         return TransformerXLRelative(config)
+
+    def _distances(self, values, low, high) -> "RelativeDistances":
+        if not (self.training and self.sinusoid_dropout > 0):
+            return RelativeDistances(values, low, high)
+        sinusoid = F.dropout(sinusoidal_embedding(values, self.hidden_size), self.sinusoid_dropout, training=True)
+        return RelativeDistances(values, low, high, sinusoid)
 
     def forward(self, ctx, device, dtype):
         """Distances from the last query's, ``past + Q - 1``, down over the ``R`` positions the relative shift
@@ -745,12 +760,12 @@ class TransformerXLScheme(PositionScheme):
         if ctx.traced_offset:  # a traced static cache: the projection is computed whole (see TransformerXLRelative)
             if self.clamp_len > 0:
                 values = values.clamp(-self.clamp_len, self.clamp_len)
-            return RelativeDistances(values, None, None), dtype
+            return self._distances(values, None, None), dtype
         low = high - length + 1
         if self.clamp_len > 0:
             values = values.clamp(-self.clamp_len, self.clamp_len)
             high, low = min(high, self.clamp_len), max(low, -self.clamp_len)
-        return RelativeDistances(values, low, high), dtype
+        return self._distances(values, low, high), dtype
 
     def attend(self, attn, query, key, value, term, ctx):
         distances, dtype = term

@@ -755,6 +755,12 @@ if __name__ != "__main__" and os.environ.get(RUN_MARKER) == "1":
         "rope_window4": ("rope", {"sliding_window": 4}),
         "shaw_keys_only": ("shaw", {"shaw_value_embeddings": False, "attention_bias": True, "tie_word_embeddings": False}),
         "transformer_xl_clamp2": ("transformer_xl", {"clamp_len": 2}),
+        # the released Transformer-XL's architecture (from_transfo_xl): adaptive input and softmax (log-probability
+        # logits), post-norm LayerNorm blocks without a final norm, an MLP with biases, same_length memory window
+        "transfo_xl_released": ("transformer_xl", {
+            "cutoffs": [30, 60], "div_val": 2, "norm_type": "layer_norm", "norm_position": "post", "final_norm": False,
+            "mlp_bias": True, "mem_len": 4, "same_length": True, "dropout_placement": "transfo_xl", "hidden_act": "relu",
+        }),
         "alibi_6heads": ("alibi", {"hidden_size": 48, "num_attention_heads": 6}),  # slopes for a non-power of 2
         "t5_bias_6heads": ("t5_bias", {"hidden_size": 48, "num_attention_heads": 6, "relative_attention_num_buckets": 6}),
         # seq2seq only: a decoder deeper than the encoder (3 and 2 layers), so that a swapped depth shows (generate

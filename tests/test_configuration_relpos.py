@@ -167,9 +167,24 @@ NON_DEFAULT_FIELDS = dict(
     feed_forward_proj="gated-silu",
     head_dim=10,
     scale_decoder_outputs=True,
+    cutoffs=[20, 50],
+    div_val=2,
+    embedding_size=32,
+    tie_projs=[True, False, True],
+    norm_type="layer_norm",
+    norm_position="post",
+    final_norm=False,
+    mlp_bias=False,
+    dropout_placement="transfo_xl",
+    same_length=True,
+    ext_len=2,
 )
-# An encoder-decoder refuses Transformer-XL's memory: its round trip takes the T5 bias.
-SEQ2SEQ_FIELDS = dict(NON_DEFAULT_FIELDS, is_encoder_decoder=True, position_encoding="t5_bias", mem_len=0)
+# An encoder-decoder refuses Transformer-XL's memory, adaptive clusters and post-norm: its round trip takes the
+# T5 bias and those fields' defaults.
+SEQ2SEQ_FIELDS = dict(
+    NON_DEFAULT_FIELDS, is_encoder_decoder=True, position_encoding="t5_bias", mem_len=0, cutoffs=None, div_val=1,
+    embedding_size=None, tie_projs=None, norm_position="pre", dropout_placement="t5", same_length=False, ext_len=0,
+)
 
 
 def _field_names():
@@ -216,7 +231,7 @@ def _same_dict(a, b):
 POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "max_position_embeddings", "fire_mlp_width")
 BOOLS = ("is_decoder", "shaw_value_embeddings", "attention_bias", "use_cache", "tie_word_embeddings",
-         "is_encoder_decoder", "scale_decoder_outputs")
+         "is_encoder_decoder", "scale_decoder_outputs", "final_norm", "same_length")
 # Fields whose None means "derived from the others" (the README): the config holds the derived value.
 DERIVED = ("head_dim", "num_decoder_layers", "decoder_start_token_id")
 POSITIVE_FLOATS = ("log_decay_scale", "fire_threshold", "rope_theta", "rms_norm_eps", "initializer_range")
@@ -254,6 +269,15 @@ VALID = {
     "feed_forward_proj": st.sampled_from([None, *HIDDEN_ACTS, *(f"gated-{a}" for a in HIDDEN_ACTS)]),
     "bos_token_id": st.one_of(st.none(), st.integers(0, 5)),
     "eos_token_id": st.one_of(st.none(), st.integers(0, 5), st.lists(st.integers(0, 5), min_size=1, max_size=3)),
+    "cutoffs": st.one_of(st.none(), st.lists(st.integers(1, 80), max_size=3)),
+    "div_val": st.integers(1, 4),
+    "embedding_size": st.one_of(st.none(), st.integers(1, 64)),
+    "tie_projs": st.one_of(st.none(), st.lists(st.booleans(), max_size=4)),
+    "norm_type": st.sampled_from(["rms_norm", "layer_norm"]),
+    "norm_position": st.sampled_from(["pre", "post"]),
+    "mlp_bias": st.one_of(st.none(), st.booleans()),
+    "dropout_placement": st.sampled_from([None, "residual", "t5", "transfo_xl"]),
+    "ext_len": st.integers(0, 8),
 }
 FIELDS = tuple(RelPosConfig.__annotations__)
 
@@ -321,6 +345,7 @@ def config_faults(v: dict) -> set:
     for name in ("max_relative_position", "mem_len"):
         if not (_is_int(v[name]) and v[name] >= 0):
             bad.add(name)
+    bad |= adaptive_and_norm_faults(v)
     if "mem_len" not in bad and v["mem_len"] > 0 and v["position_encoding"] != "transformer_xl":
         bad.add("mem_len")
     if not (_is_int(v["clamp_len"]) and (v["clamp_len"] == -1 or v["clamp_len"] >= 1)):
@@ -341,6 +366,58 @@ def config_faults(v: dict) -> set:
     return bad
 
 
+def adaptive_and_norm_faults(v: dict) -> set:
+    """The released Transformer-XL's options (the config's docstring): adaptive clusters inside the vocabulary, each
+    with a vector; their sizes and ties only with clusters; same_length and ext_len only with memory; post-norm and
+    clusters not in an encoder-decoder; the R dropout only for Transformer-XL."""
+    bad = set()
+    cutoffs = v["cutoffs"]
+    listed = isinstance(cutoffs, list) and all(_is_int(c) and c >= 1 for c in cutoffs)
+    if cutoffs is not None and not listed:
+        bad.add("cutoffs")
+    if not (_is_int(v["div_val"]) and v["div_val"] >= 1):
+        bad.add("div_val")
+    size = v["embedding_size"]
+    if size is not None and not (_is_int(size) and size >= 1):
+        bad.add("embedding_size")
+    ties = v["tie_projs"]
+    if ties is not None and not (isinstance(ties, list) and all(isinstance(t, bool) for t in ties)):
+        bad.add("tie_projs")
+    if cutoffs is None:
+        bad |= {name for name, default in (("div_val", 1), ("embedding_size", None), ("tie_projs", None))
+                if v[name] != default}
+    elif listed:
+        vocab = v["vocab_size"]
+        if sorted(set(cutoffs)) != cutoffs or (cutoffs and _is_int(vocab) and cutoffs[-1] >= vocab):
+            bad.add("cutoffs")
+        if v["is_encoder_decoder"] is True or v["position_encoding"] == "sinusoidal":
+            bad.add("cutoffs")
+        largest = size if size is not None else v["hidden_size"]
+        if not bad & {"div_val", "embedding_size", "hidden_size"} and _is_int(largest):
+            if largest // v["div_val"] ** len(cutoffs) < 1:
+                bad.add("div_val")
+        if isinstance(ties, list) and len(ties) != len(cutoffs) + 1:
+            bad.add("tie_projs")
+    if v["norm_type"] not in ("rms_norm", "layer_norm"):
+        bad.add("norm_type")
+    if v["norm_position"] not in ("pre", "post"):
+        bad.add("norm_position")
+    elif v["norm_position"] == "post" and v["is_encoder_decoder"] is True:
+        bad.add("norm_position")
+    if v["mlp_bias"] is not None and not isinstance(v["mlp_bias"], bool):
+        bad.add("mlp_bias")
+    if v["dropout_placement"] not in (None, "residual", "t5", "transfo_xl"):
+        bad.add("dropout_placement")
+    elif v["dropout_placement"] == "transfo_xl" and v["position_encoding"] != "transformer_xl":
+        bad.add("dropout_placement")
+    memory = v["position_encoding"] == "transformer_xl" and _is_int(v["mem_len"]) and v["mem_len"] > 0
+    if not (_is_int(v["ext_len"]) and v["ext_len"] >= 0) or (v["ext_len"] != 0 and not memory):
+        bad.add("ext_len")
+    if v["same_length"] is True and not memory:
+        bad.add("same_length")
+    return bad
+
+
 # A field blamed by the code may be one that a cross-field check ties to the invalid one.
 RELATED = {
     "hidden_size": {"num_attention_heads", "position_encoding"},
@@ -351,8 +428,16 @@ RELATED = {
     "relative_attention_num_buckets": {"is_decoder", "relative_attention_max_distance", "is_encoder_decoder"},
     "relative_attention_max_distance": {"relative_attention_num_buckets", "is_decoder"},
     "is_decoder": {"relative_attention_num_buckets", "relative_attention_max_distance", "position_encoding"},
-    "mem_len": {"position_encoding", "is_encoder_decoder"},
-    "vocab_size": {"pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"},
+    "mem_len": {"position_encoding", "is_encoder_decoder", "same_length", "ext_len"},
+    "same_length": {"position_encoding", "mem_len"},
+    "ext_len": {"position_encoding", "mem_len"},
+    "cutoffs": {"vocab_size", "is_encoder_decoder", "div_val", "embedding_size", "tie_projs", "position_encoding"},
+    "div_val": {"cutoffs", "embedding_size", "hidden_size"},
+    "embedding_size": {"cutoffs", "div_val"},
+    "tie_projs": {"cutoffs"},
+    "norm_position": {"is_encoder_decoder"},
+    "dropout_placement": {"position_encoding"},
+    "vocab_size": {"pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "cutoffs"},
     "decoder_start_token_id": {"vocab_size"},
     "pad_token_id": {"vocab_size"},
     "bos_token_id": {"vocab_size"},
