@@ -145,6 +145,12 @@ def model_card(config, class_name: str, auto_class: str, parameters: int) -> str
     ]
     if config.sliding_window is not None:
         rows.append(("sliding window", f"{config.sliding_window} positions"))
+    if (config.norm_type, config.norm_position, config.final_norm) != ("rms_norm", "pre", True):
+        rows.append(("norms", f"{config.norm_type}, {config.norm_position}-norm, "
+                              f"{'a' if config.final_norm else 'no'} final norm"))
+    if config.cutoffs is not None:
+        rows.append(("vocabulary clusters", f"adaptive input and softmax cut at {config.cutoffs}, div_val "
+                                            f"{config.div_val}: the causal LM's logits are log-probabilities"))
     if auto_class == "AutoModelForSequenceClassification":
         rows.append(("labels", str(config.num_labels)))
     tags = ["custom_code", "hf_relpos", "relative-position", scheme.replace("_", "-")]

@@ -590,3 +590,41 @@ def test_resizing_an_adaptive_model_is_refused_in_one_line_by_every_class():
     for cls in (RelPosModel, RelPosForSequenceClassification, RelPosForCausalLM):
         with pytest.raises(ValueError, match="RelPosConfig.cutoffs=\\[10, 25\\]: an adaptive input and softmax"):
             cls(config).resize_token_embeddings(50)
+
+
+def test_the_model_card_says_what_a_converted_model_is(tmp_path):
+    converted("div2_tied_same").save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "| norms | layer_norm, post-norm, no final norm |" in card
+    assert "adaptive input and softmax cut at [10, 25], div_val 2: the causal LM's logits are log-probabilities" in card
+    RelPosForCausalLM(small()).save_pretrained(tmp_path / "plain")
+    plain = (tmp_path / "plain" / "README.md").read_text()
+    assert "| norms |" not in plain and "clusters" not in plain
+
+
+def test_memory_trainer_trains_a_converted_model_with_memory_and_keeps_its_ties(tmp_path):
+    """Training (dropout 0.1 where TransfoXL drops, R included): memory carried from step to step, the loss falls on
+    a repeated stream, and the tied tables and projections stay one parameter each."""
+    from transformers import TrainingArguments
+
+    from hf_relpos.memory import MemoryTrainer, OrderedSegments
+
+    torch.manual_seed(0)
+    model = converted("div2_tied_same")
+    model.config.hidden_dropout = 0.1
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    model.model.position.sinusoid_dropout = 0.1
+    stream = torch.arange(10).repeat(24) % 40
+    data = OrderedSegments(stream, batch_size=4, segment_length=6)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, learning_rate=3e-3, report_to=[],
+                             use_cpu=True, disable_tqdm=True, dataloader_pin_memory=False, save_strategy="no",
+                             max_steps=30, logging_steps=10, seed=0)
+    trainer = MemoryTrainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[-1] < losses[0]
+    assert trainer.train_mems is not None and trainer.train_mems[0].shape == (4, 4, 16)  # mem_len 4
+    assert model.lm_head.out_layers[1].weight is model.model.embed_tokens.emb_layers[1].weight
+    assert model.lm_head.out_projs["1"].weight is model.model.embed_tokens.emb_projs["1"].weight
