@@ -13,6 +13,7 @@ with memory, from the authors' empty first memory.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Union
 
@@ -38,6 +39,34 @@ TRANSFO_XL_DEFAULTS = {
 }
 
 
+# TransfoXLConfig.attribute_map (4.35.2): a config.json key it reads as another field.
+ALIASES = {"n_token": "vocab_size", "hidden_size": "d_model", "num_attention_heads": "n_head",
+           "num_hidden_layers": "n_layer"}
+
+
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_POSITIVE = (lambda v: _int(v) and v >= 1, "a positive int")
+FIELD_TYPES = {
+    **{name: _POSITIVE for name in ("vocab_size", "d_model", "d_embed", "n_head", "d_head", "d_inner", "div_val",
+                                    "n_layer")},
+    "mem_len": (_int, "an int"), "clamp_len": (_int, "an int"), "attn_type": (_int, "an int"),
+    "sample_softmax": (_int, "an int"),
+    "cutoffs": (lambda v: isinstance(v, list) and all(_int(c) for c in v), "a list of ints"),
+    "tie_projs": (lambda v: v is None or (isinstance(v, list) and all(isinstance(t, bool) for t in v)),
+                  "null or a list of true/false"),
+    **{name: (lambda v: isinstance(v, bool), "true or false") for name in (
+        "pre_lnorm", "same_length", "proj_share_all_but_first", "tie_word_embeddings")},
+    **{name: (_number, "a number") for name in ("dropout", "dropatt", "init_std", "layer_norm_epsilon")},
+}
+
+
 def transfo_xl_config(given: dict) -> dict:
     """A TransfoXL ``config.json`` (a dict) as TransfoXLConfig 4.35.2 reads it: its defaults filled in, ``n_token``
     (``vocab_size``'s old name) read as ``vocab_size``, and ``tie_projs`` (where the file has none) from
@@ -46,8 +75,12 @@ def transfo_xl_config(given: dict) -> dict:
         got = given.get("model_type") if isinstance(given, dict) else type(given).__name__
         raise ValueError(f"config.json model_type must be 'transfo-xl', got {got!r}")
     upstream = {**TRANSFO_XL_DEFAULTS, **given}
-    if "vocab_size" not in given and "n_token" in given:
-        upstream["vocab_size"] = given["n_token"]
+    for alias, name in ALIASES.items():  # TransfoXLConfig.attribute_map: the alias wins, as there
+        if alias in given:
+            upstream[name] = given[alias]
+    for name, (valid, allowed) in FIELD_TYPES.items():
+        if not valid(upstream.get(name)):
+            raise ValueError(f"config.json {name} must be {allowed}, got {upstream.get(name)!r}")
     if given.get("tie_projs") is None:
         upstream["tie_projs"] = [False] + [bool(upstream["proj_share_all_but_first"])] * len(upstream["cutoffs"])
     if upstream["attn_type"] != 0:
@@ -127,8 +160,9 @@ def transfo_xl_state_dict_to_relpos(state: dict, config: RelPosConfig) -> dict:
         out[ours + "self_attn.v_proj.weight"] = v
         out[ours + "self_attn.o_proj.weight"] = state[upstream + "dec_attn.o_net.weight"]
         out[ours + "self_attn.relative.r_net.weight"] = state[upstream + "dec_attn.r_net.weight"]
-        for bias in ("r_w_bias", "r_r_bias"):
-            out[ours + f"self_attn.relative.{bias}"] = state.get(upstream + f"dec_attn.{bias}", state.get(f"transformer.{bias}"))
+        for bias in ("r_w_bias", "r_r_bias"):  # each layer's, or the one all layers share (untie_r=False)
+            own, shared = upstream + f"dec_attn.{bias}", f"transformer.{bias}"
+            out[ours + f"self_attn.relative.{bias}"] = state[shared if own not in state and shared in state else own]
         for part in ("weight", "bias"):
             out[ours + f"input_layernorm.{part}"] = state[upstream + f"dec_attn.layer_norm.{part}"]
             out[ours + f"post_attention_layernorm.{part}"] = state[upstream + f"pos_ff.layer_norm.{part}"]
@@ -148,6 +182,11 @@ def read_transfo_xl_folder(folder: Union[str, Path]) -> tuple[dict, dict]:
         state = load_file(str(folder / "model.safetensors"))
     elif (folder / "pytorch_model.bin").is_file():
         state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise ValueError(f"{folder / 'pytorch_model.bin'} must hold a state dict (parameter names -> tensors), "
+                             f"got a {type(state).__name__} of other values")
     else:
         raise ValueError(f"{folder} holds neither model.safetensors nor pytorch_model.bin")
     return upstream, state
@@ -185,6 +224,9 @@ def convert_transfo_xl_state(upstream: dict, state: dict, *, check: bool = True)
     inv_freq = state.pop("transformer.pos_emb.inv_freq", None)
     if inv_freq is not None:  # a buffer of the formula the scheme computes: checked (in its own dtype), not kept
         d_model = config.hidden_size
+        if tuple(inv_freq.shape) != (d_model // 2,):  # before the formula is computed at config.json's size
+            raise ValueError(f"config.json gives d_model={d_model}: transformer.pos_emb.inv_freq would have "
+                             f"{d_model // 2} values, the weights hold {list(inv_freq.shape)}")
         expected = (1 / 10000 ** (torch.arange(0.0, d_model, 2.0) / d_model)).to(inv_freq.dtype)
         if inv_freq.shape != expected.shape or not torch.allclose(inv_freq.float(), expected.float()):
             raise ValueError("transformer.pos_emb.inv_freq is not 1/10000**(2i/d_model): not TransfoXL's sinusoid")
@@ -244,9 +286,10 @@ def transfo_xl_parity(upstream: dict, state: dict, converted: RelPosForCausalLM,
             expected, reference_mems = transfo_xl_reference(upstream, reference_state, ids[s], reference_mems)
             output = converted(input_ids=ids[s].to(device), mems=mems)
         mems = output.mems
-        log_prob_diff = max(log_prob_diff, (output.logits.double().cpu() - expected).abs().max().item())
+        # NaN (a NaN weight) counts as infinitely far: Python's max would skip it
+        log_prob_diff = max(log_prob_diff, (output.logits.double().cpu() - expected).abs().nan_to_num(math.inf).max().item())
         for ours, theirs in zip(mems, reference_mems):
-            mem_diff = max(mem_diff, (ours.double().cpu() - theirs).abs().max().item())
+            mem_diff = max(mem_diff, (ours.double().cpu() - theirs).abs().nan_to_num(math.inf).max().item())
     return {"max_abs_log_prob_diff": log_prob_diff, "max_abs_memory_diff": mem_diff, "segments": segments,
             "length": length, "batch": batch}
 

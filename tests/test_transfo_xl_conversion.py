@@ -628,3 +628,45 @@ def test_memory_trainer_trains_a_converted_model_with_memory_and_keeps_its_ties(
     assert trainer.train_mems is not None and trainer.train_mems[0].shape == (4, 4, 16)  # mem_len 4
     assert model.lm_head.out_layers[1].weight is model.model.embed_tokens.emb_layers[1].weight
     assert model.lm_head.out_projs["1"].weight is model.model.embed_tokens.emb_projs["1"].weight
+
+
+def test_odd_folders_are_refused_in_one_line(tmp_path):
+    """Second review: a missing u or v, a .bin that is no flat state dict, config.json values of the wrong type, a
+    d_model whose sinusoid would not fit the weights (refused before the formula is computed at its size), NaN
+    weights (Python's max skips NaN: the check must not), and TransfoXLConfig's aliases read as it reads them."""
+    from hf_relpos.commands.errors import UserError
+    from hf_relpos.commands.transfo_xl import convert_transfo_xl
+    from hf_relpos.transfo_xl_conversion import transfo_xl_config
+
+    config = json.loads((FIXTURES / "div1_post" / "config.json").read_text())
+    weights = load_file(str(FIXTURES / "div1_post" / "model.safetensors"))
+
+    def folder(name, cfg=config, state=weights, bin_state=None):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg))
+        if bin_state is not None:
+            torch.save(bin_state, path / "pytorch_model.bin")
+        else:
+            save_file(state, str(path / "model.safetensors"))
+        return path
+
+    missing = folder("missing", state={k: v for k, v in weights.items() if k != "transformer.layers.0.dec_attn.r_w_bias"})
+    with pytest.raises(ValueError, match="the weights hold no transformer.layers.0.dec_attn.r_w_bias, which"):
+        from_transfo_xl(missing)
+    nested = folder("nested", bin_state={"state_dict": weights})
+    with pytest.raises(UserError, match="must hold a state dict \\(parameter names -> tensors\\), got a dict") as error:
+        convert_transfo_xl(str(nested), str(tmp_path / "out"))
+    assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
+    for field, value in (("mem_len", None), ("cutoffs", None), ("sample_softmax", None), ("d_model", "16")):
+        with pytest.raises(UserError, match=f"config.json {field} must be"):
+            convert_transfo_xl(str(folder(f"type-{field}", cfg={**config, field: value})), str(tmp_path / "out"))
+    wide = folder("wide", cfg={**config, "d_model": 2**30})
+    with pytest.raises(ValueError, match="config.json gives d_model=1073741824: transformer.pos_emb.inv_freq would"):
+        from_transfo_xl(wide)
+    nan = folder("nan", state={**weights, "transformer.layers.0.dec_attn.r_w_bias":
+                               torch.full_like(weights["transformer.layers.0.dec_attn.r_w_bias"], float("nan"))})
+    with pytest.raises(ValueError, match="max \\|log-prob diff\\| inf"):
+        from_transfo_xl(nan)
+    read = transfo_xl_config({**config, "num_hidden_layers": 1, "n_token": 33, "hidden_size": 8})
+    assert (read["n_layer"], read["vocab_size"], read["d_model"]) == (1, 33, 8)

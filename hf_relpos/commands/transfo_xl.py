@@ -87,7 +87,7 @@ def convert_transfo_xl(src_folder: str, out_folder: str, *, overwrite: bool = Fa
             raise UserError(f"{weights[0]} cannot be read ({one_line(error)}); nothing written") from None
         try:
             converted = convert_transfo_xl_state(upstream, state, check=False)
-        except (ValueError, TypeError, RuntimeError) as error:
+        except (ValueError, TypeError, RuntimeError, AttributeError) as error:
             raise UserError(f"SRC_FOLDER {str(src)!r}: its weights do not match its config.json "
                             f"({one_line(error)}); nothing written") from None
         try:  # before anything is written: a model that differs from its source is refused, not recorded
