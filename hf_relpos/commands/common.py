@@ -384,6 +384,19 @@ def prepare_output(out: Path, *, overwrite: bool, resume: Union[bool, str, None]
     return None
 
 
+def check_conversion_output(out: Path, overwrite: bool) -> None:
+    """A converter's OUT_FOLDER: writable, and new, empty or an hf-relpos model (replaced only with
+    ``--overwrite``); a folder holding anything else is never written into."""
+    check_writable(out, flag="OUT_FOLDER")
+    if out.is_dir() and any(out.iterdir()):
+        foreign = sorted(p.name for p in out.iterdir() if not MODEL_FILE.fullmatch(p.name))
+        if not is_model_folder(out) or foreign:
+            raise UserError(f"OUT_FOLDER {str(out)!r} holds files that are not an hf-relpos model "
+                            f"({', '.join((foreign or ['config.json'])[:3])}): give a new or empty folder")
+        if not overwrite:
+            raise UserError(f"OUT_FOLDER {str(out)!r} already holds an hf-relpos model: pass --overwrite to replace it")
+
+
 class RemoveIfEmptyOnFailure:
     """A failed command leaves no empty folder behind: folders it created are removed if still empty."""
 

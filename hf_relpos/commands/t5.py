@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (
-    MODEL_FILE, RemoveIfEmptyOnFailure, check_writable, is_model_folder, one_line, read_json_object, weights_problem,
-)
+from .common import RemoveIfEmptyOnFailure, check_conversion_output, one_line, read_json_object, weights_problem
 from .errors import UserError
 from .model_card import write_seq2seq_card
 
@@ -113,14 +111,7 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
     empty = [p for p in weights if p.stat().st_size == 0]
     if empty:
         raise UserError(f"{empty[0]} is empty (0 bytes): the weights were never completely written")
-    check_writable(out, flag="OUT_FOLDER")  # before the work, not when the converted model is saved
-    if out.is_dir() and any(out.iterdir()):
-        foreign = sorted(p.name for p in out.iterdir() if not MODEL_FILE.fullmatch(p.name))
-        if not is_model_folder(out) or foreign:
-            raise UserError(f"OUT_FOLDER {str(out)!r} holds files that are not an hf-relpos model "
-                            f"({', '.join((foreign or ['config.json'])[:3])}): give a new or empty folder")
-        if not overwrite:
-            raise UserError(f"OUT_FOLDER {str(out)!r} already holds an hf-relpos model: pass --overwrite to replace it")
+    check_conversion_output(out, overwrite)  # before the work, not when the converted model is saved
     with RemoveIfEmptyOnFailure(out):
         try:
             _check_t5_fits(src, config, weights)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
-from .common import MODEL_FILE, RemoveIfEmptyOnFailure, check_writable, is_model_folder, one_line, read_json_object
+from .common import RemoveIfEmptyOnFailure, check_conversion_output, one_line, read_json_object
 from .errors import UserError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -66,14 +66,7 @@ def convert_transfo_xl(src_folder: str, out_folder: str, *, overwrite: bool = Fa
         raise UserError(f"SRC_FOLDER {str(src)!r} holds neither {' nor '.join(WEIGHT_FILES)}")
     if weights[0].stat().st_size == 0:
         raise UserError(f"{weights[0]} is empty (0 bytes): the weights were never completely written")
-    check_writable(out, flag="OUT_FOLDER")
-    if out.is_dir() and any(out.iterdir()):
-        foreign = sorted(p.name for p in out.iterdir() if not MODEL_FILE.fullmatch(p.name))
-        if not is_model_folder(out) or foreign:
-            raise UserError(f"OUT_FOLDER {str(out)!r} holds files that are not an hf-relpos model "
-                            f"({', '.join((foreign or ['config.json'])[:3])}): give a new or empty folder")
-        if not overwrite:
-            raise UserError(f"OUT_FOLDER {str(out)!r} already holds an hf-relpos model: pass --overwrite to replace it")
+    check_conversion_output(out, overwrite)
     tokenizer = None
     if (src / "vocab.pkl").is_file():  # read before the weights: a refused vocabulary is refused at once
         try:
