@@ -1,12 +1,12 @@
 """hf_relpos models: a pre-norm Transformer whose attention uses one of hf_relpos' position schemes.
 
-Read top to bottom, in the order data flows: outputs, norm and MLP, attention (self-attention through the
+Read top to bottom, in the order data flows: outputs, attention (self-attention through the
 scheme's seam, cross-attention), the decoder layer, the pre-trained base, ``RelPosModel`` and the heads
-(causal LM, sequence classification, encoder-decoder). Beside it: the schemes in ``position_schemes.py``,
-``PositionContext`` in ``position_context.py``, the attention backends in ``attention_backends.py``; the input
-checks and keyword arguments in ``inputs_relpos.py``; the generation and continuous-batching hooks (mixins the
-heads inherit) in ``generation_relpos.py``; the checkpoint check before loading and the Auto classes' refusals in
-``loading_relpos.py``.
+(causal LM, sequence classification, encoder-decoder). Beside it: the norms and MLP in ``feed_forward_relpos.py``,
+the schemes in ``position_schemes.py``, ``PositionContext`` in ``position_context.py``, the attention backends in
+``attention_backends.py``; the input checks and keyword arguments in ``inputs_relpos.py``; the generation and
+continuous-batching hooks (mixins the heads inherit) in ``generation_relpos.py``; the checkpoint check before
+loading and the Auto classes' refusals in ``loading_relpos.py``.
 
 Positions come from one place: ``RelPosModel.forward`` checks its inputs (``inputs_relpos.check_inputs``), which
 read the cache once (``position_context.read_cache``) into one record, ``Geometry``: how many tokens precede, the
@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -43,6 +42,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .adaptive_softmax import AdaptiveEmbedding, AdaptiveProjection, ProjectedAdaptiveLogSoftmax, tied_names
 from .attention_backends import TRITON, cross_attention, triton_refusal
 from .configuration_relpos import RelPosConfig
+from .feed_forward_relpos import RelPosMLP, RelPosRMSNorm, make_norm
 from .flex_backend import flex_refusal
 from .generation_relpos import CausalLMGenerationMixin, Seq2SeqGenerationMixin
 from .inputs_relpos import (
@@ -93,55 +93,6 @@ class RelPosSequenceClassifierOutput(_MemsLast, SequenceClassifierOutput):
     """``SequenceClassifierOutput`` plus Transformer-XL's ``mems``."""
 
     mems: Optional[list] = None
-
-
-# ----------------------------------------------------------------------------------
-# Norm and MLP
-# ----------------------------------------------------------------------------------
-
-
-class RelPosRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.float()
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
-
-def make_norm(config: RelPosConfig) -> nn.Module:
-    """The norm ``config.norm_type`` names: RMSNorm (weight only, computed in float32), or LayerNorm with a bias
-    computed in the model's dtype (as the released Transformer-XL's); ``rms_norm_eps`` is either's epsilon."""
-    if config.norm_type == "layer_norm":
-        return nn.LayerNorm(config.hidden_size, eps=config.rms_norm_eps)
-    return RelPosRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class RelPosMLP(nn.Module):
-    """``down(act(up(x)))``, or with ``feed_forward_proj="gated-ACT"`` ``down(act(gate(x)) * up(x))`` (T5 v1.1)."""
-
-    def __init__(self, config: RelPosConfig):
-        super().__init__()
-        act, gated = config.mlp_activation
-        bias = config.attention_bias if config.mlp_bias is None else config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias) if gated else None
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = ACT2FN[act]
-        # T5's DenseReluDense and Transformer-XL's CoreNet drop the activations too (dropout_rule).
-        self.dropout = nn.Dropout(config.hidden_dropout) if config.dropout_rule != "residual" else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj is None:
-            return self.down_proj(self.dropout(self.act_fn(self.up_proj(x))))
-        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
-
-
 
 
 # ----------------------------------------------------------------------------------
