@@ -623,3 +623,14 @@ def test_report_with_one_learning_rate_counts_every_recorded_seed(tmp_path, caps
     assert [r["seeds"] for r in data["rows"]] == [[1]] and data["meta"]["runs_recorded"] == 1
     learned = dict(data["rows"][0], learned=[1], best_accuracy_seeds=[1.0], out=0.5, out_std=0.0)
     assert command._cell(learned, "out", 2) == "50.0 (1 of 2)" and command._cell(learned, "out", 1) == "50.0"
+
+
+def test_every_panel_of_the_plot_spans_the_tested_lengths(tmp_path, monkeypatch):
+    """A task with no run yet used to get matplotlib's default axis (19.5-21.5 around the training-length line)."""
+    shown = {}
+    monkeypatch.setattr(command, "_finish", lambda fig, axes, title, path, plt: shown.update(
+        {ax.get_title().split("\n")[0]: ax.get_xlim() for ax in axes.flat if ax.get_visible()}))
+    row = {"task": "copy", "scheme": "alibi", "learned": [0], "by_length": {"1": 1.0, "7": 0.5}}
+    meta = {"tasks": ["copy", "reverse"], "schemes": ["alibi"], "train_length": 10, "gate": 0.95}
+    command.plot_lengthgen([row], meta, tmp_path / "plot.png")
+    assert shown == {"copy": (0.5, 20.5), "reverse": (0.5, 20.5)}

@@ -685,6 +685,7 @@ def plot_lengthgen(rows: list, meta: dict, path: Path) -> None:
             ax.plot(lengths, [100 * v for v in row["by_length"].values()], label=scheme, linewidth=1.2,
                     color=colors[index % len(colors)], linestyle="-" if index < len(colors) else "--")
         ax.axvline(meta["train_length"] + 0.5, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlim(0.5, 2 * meta["train_length"] + 0.5)  # every panel on the tested lengths, one without runs too
         control = " (control)" if task in lg.CONTROLS else ""
         notes = [f"not learned: {', '.join(missing)}"] * bool(missing) + [f"not run yet: {', '.join(unrun)}"] * bool(unrun)
         ax.set_title("\n".join([f"{task}{control}", *notes]), fontsize=9)
