@@ -195,9 +195,9 @@ def test_the_gate_keeps_unlearned_runs_out_of_every_mean():
     assert headline == {"alibi": [f"{100 * alibi['3']:.1f} ± {100 * alibi['3_std']:.1f} (2 of 3)"],
                         "nope": ["not learned (in 95.0)"]}
     per_task = _table_rows(table, "copy")
-    assert per_task["nope"] == ["0 of 2 run", "0.001", f"{100 * nope['best_accuracy']:.1f} ± "
+    assert per_task["nope"] == ["0 of 2 runs", "0.001", f"{100 * nope['best_accuracy']:.1f} ± "
                                 f"{100 * nope['best_accuracy_std']:.1f}", "-", "-", "-", "-"]
-    assert per_task["alibi"][:2] == ["2 of 3 run", "0.001"]
+    assert per_task["alibi"][:2] == ["2 of 3 runs", "0.001"]
     assert "copy alibi seed 2 (40.0%); copy nope seed 0 (50.0%); copy nope seed 1 (95.0%)" in table
 
 

@@ -616,7 +616,8 @@ def render_table(rows: list, meta: dict) -> str:
                 best = f"{100 * row['best_accuracy']:.1f}" + (
                     f" ± {100 * row['best_accuracy_std']:.1f}" if len(row["seeds"]) > 1 else "")
                 cells = [_cell(row, b, len(seeds)) if row["learned"] else "-" for b in buckets]
-                lines.append(f"| {row['scheme']} | {len(row['learned'])} of {len(row['seeds'])} run | "
+                runs = f"{len(row['learned'])} of {len(row['seeds'])} run" + "s" * (len(row["seeds"]) > 1)
+                lines.append(f"| {row['scheme']} | {runs} | "
                              f"{row['learning_rate']:g} | {best} | " + " | ".join(cells) + " |")
     missed = [(row, seed, accuracy) for row in rows for seed, accuracy in row["not_learned"].items()]
     if missed:
