@@ -7,7 +7,7 @@ import math
 
 from transformers import PreTrainedConfig
 
-from .functional import t5_exact_buckets
+from .functional_relpos import t5_exact_buckets
 
 POSITION_ENCODINGS = (
     "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "kerple_log", "fire", "rope", "sinusoidal", "learned", "nope",

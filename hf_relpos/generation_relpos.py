@@ -18,7 +18,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_masks_for_generate
 
 from .inputs_relpos import CACHE_FIELD, MODEL_KWARGS, attention_implementation, continuous_batching_refusal
-from .position_schemes import POSITION_SCHEMES
+from .position_schemes_relpos import POSITION_SCHEMES
 
 
 def _request_refusal(prompt: int, max_new_tokens, limit: Optional[int], encoding: str) -> Optional[str]:

@@ -16,10 +16,10 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils.generic import TransformersKwargs
 
-from .attention_backends import TRITON, triton_refusal
-from .flex_backend import flex_refusal
-from .position_context import Geometry, read_cache, unpadded
-from .position_schemes import POSITION_SCHEMES
+from .attention_backends_relpos import TRITON, triton_refusal
+from .flex_backend_relpos import flex_refusal
+from .position_context_relpos import Geometry, read_cache, unpadded
+from .position_schemes_relpos import POSITION_SCHEMES
 
 SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", TRITON)
 

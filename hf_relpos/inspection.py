@@ -32,9 +32,9 @@ from typing import Optional
 
 import torch
 
-from .functional import sinusoidal_embedding
-from .position_context import PositionContext
-from .position_schemes import AdditiveBiasScheme
+from .functional_relpos import sinusoidal_embedding
+from .position_context_relpos import PositionContext
+from .position_schemes_relpos import AdditiveBiasScheme
 
 # Why a scheme has no position figure: it adds nothing to the attention logits.
 NO_POSITION_TERM = {

@@ -23,7 +23,7 @@ from transformers import PreTrainedConfig
 from transformers.modeling_utils import load_state_dict
 
 from .configuration_relpos import RelPosConfig
-from .position_schemes import POSITION_SCHEMES
+from .position_schemes_relpos import POSITION_SCHEMES
 
 # The config fields that size each dimension of each parameter (by the end of its name), to name the field when a
 # config does not describe its checkpoint (tests/test_loading_safety.py checks that every parameter matches one).

@@ -3,13 +3,13 @@
 Read top to bottom, in the order data flows: outputs, attention (self-attention through the
 scheme's seam, cross-attention), the decoder layer, the pre-trained base, ``RelPosModel`` and the heads
 (causal LM, sequence classification, encoder-decoder). Beside it: the norms and MLP in ``feed_forward_relpos.py``,
-the schemes in ``position_schemes.py``, ``PositionContext`` in ``position_context.py``, the attention backends in
-``attention_backends.py``; the input checks and keyword arguments in ``inputs_relpos.py``; the generation and
+the schemes in ``position_schemes_relpos.py``, ``PositionContext`` in ``position_context_relpos.py``, the attention
+backends in ``attention_backends_relpos.py``; the input checks and keyword arguments in ``inputs_relpos.py``; the generation and
 continuous-batching hooks (mixins the heads inherit) in ``generation_relpos.py``; the checkpoint check before
 loading and the Auto classes' refusals in ``loading_relpos.py``.
 
 Positions come from one place: ``RelPosModel.forward`` checks its inputs (``inputs_relpos.check_inputs``), which
-read the cache once (``position_context.read_cache``) into one record, ``Geometry``: how many tokens precede, the
+read the cache once (``position_context_relpos.read_cache``) into one record, ``Geometry``: how many tokens precede, the
 key range and the memory's length; ``PositionContext.from_inputs`` builds the positions and the mask from it
 before the first layer, with Transformers' mask functions; the forward asks the scheme for its per-forward term
 once and hands both to every layer.
@@ -39,11 +39,11 @@ from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .adaptive_softmax import AdaptiveEmbedding, AdaptiveProjection, ProjectedAdaptiveLogSoftmax, tied_names
-from .attention_backends import TRITON, cross_attention, triton_refusal
+from .adaptive_softmax_relpos import AdaptiveEmbedding, AdaptiveProjection, ProjectedAdaptiveLogSoftmax, tied_names
+from .attention_backends_relpos import TRITON, cross_attention, triton_refusal
 from .configuration_relpos import RelPosConfig
 from .feed_forward_relpos import RelPosMLP, RelPosRMSNorm, make_norm
-from .flex_backend import flex_refusal
+from .flex_backend_relpos import flex_refusal
 from .generation_relpos import CausalLMGenerationMixin, Seq2SeqGenerationMixin
 from .inputs_relpos import (
     CACHE_FIELD,
@@ -58,8 +58,8 @@ from .inputs_relpos import (
 )
 from .loading_relpos import AUTO_CLASS_OF, AUTO_MAP, check_checkpoint_fits, check_holds
 from .model_card_relpos import model_card, write_card
-from .position_context import PositionContext
-from .position_schemes import POSITION_SCHEMES
+from .position_context_relpos import PositionContext
+from .position_schemes_relpos import POSITION_SCHEMES
 
 # ----------------------------------------------------------------------------------
 # Outputs
@@ -255,7 +255,8 @@ class RelPosPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = False
-    # FlexAttention (flex_backend.py) for every scheme whose term is a score function (PositionScheme.score_form).
+    # FlexAttention (flex_backend_relpos.py) for every scheme whose term is a score function
+    # (PositionScheme.score_form).
     _supports_flex_attn = True
     # A decode step with a StaticCache traces into one graph (torch.compile fullgraph=True) for every scheme:
     # the cache's offset stays a tensor (PositionContext.traced_offset), never read on the host.
@@ -277,7 +278,7 @@ class RelPosPreTrainedModel(PreTrainedModel):
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         """``set_attn_implementation`` may switch these models: their layers read ``config._attn_implementation``
-        on every call (attention_backends.py). Transformers guesses it from the modeling file's source (a call of
+        on every call (attention_backends_relpos.py). Transformers guesses it from the modeling file's source (a call of
         ``ALL_ATTENTION_FUNCTIONS.get_interface``), which lives in the backends' module here."""
         return True
 
@@ -330,7 +331,7 @@ class RelPosPreTrainedModel(PreTrainedModel):
         elif isinstance(module, ProjectedAdaptiveLogSoftmax) and hasattr(module, "cluster_weight"):
             init.normal_(module.cluster_weight, mean=0.0, std=std)
             init.zeros_(module.cluster_bias)
-        elif hasattr(module, "init_position_weights"):  # a scheme's own parameters (position_schemes.py)
+        elif hasattr(module, "init_position_weights"):  # a scheme's own parameters (position_schemes_relpos.py)
             module.init_position_weights(std)
 
     def resize_token_embeddings(self, *args, **kwargs):

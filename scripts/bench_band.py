@@ -1,9 +1,9 @@
-"""The band decomposition alone (``kernels.shaw_banded`` / ``kernels.saturating_bias_banded``) against the form
-it replaces, by length.
+"""The band decomposition alone (``kernels_relpos.shaw_banded`` / ``kernels_relpos.saturating_bias_banded``) against
+the form it replaces, by length.
 
 ``shaw_attention`` (Shaw's clipped embeddings) and ``saturating_bias_attention`` (T5's bucketed bias)
-switch to the band decomposition at ``kernels.SHAW_BAND_MIN_LENGTH`` / ``kernels.BIAS_BAND_MIN_LENGTH`` (causal:
-``kernels.CAUSAL_BIAS_BAND_MIN_LENGTH``); this script calls each path directly and measures where the band
+switch to the band decomposition at ``kernels_relpos.SHAW_BAND_MIN_LENGTH`` /
+``kernels_relpos.BIAS_BAND_MIN_LENGTH`` (causal: ``kernels_relpos.CAUSAL_BIAS_BAND_MIN_LENGTH``); this script calls each path directly and measures where the band
 pays. Per length, three contenders run interleaved in one process
 (forward, then forward+backward), medians after a warm-up, as ratios to plain SDPA
 (``F.scaled_dot_product_attention`` without any position term, causal when the scheme is):
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import machine_line, write_report  # noqa: E402
 
-from hf_relpos import functional, kernels  # noqa: E402
+from hf_relpos import functional, kernels_relpos  # noqa: E402
 
-# Where functional.py switches to the band: (bidirectional, causal).
-THRESHOLD = {"shaw": (kernels.SHAW_BAND_MIN_LENGTH,) * 2,
-             "t5_bias": (kernels.BIAS_BAND_MIN_LENGTH, kernels.CAUSAL_BIAS_BAND_MIN_LENGTH)}
+# Where functional_relpos.py switches to the band: (bidirectional, causal).
+THRESHOLD = {"shaw": (kernels_relpos.SHAW_BAND_MIN_LENGTH,) * 2,
+             "t5_bias": (kernels_relpos.BIAS_BAND_MIN_LENGTH, kernels_relpos.CAUSAL_BIAS_BAND_MIN_LENGTH)}
 
 
 def spread_bias_attention(q, k, v, table, causal):
@@ -54,7 +54,7 @@ def contenders(scheme, q, k, v, table, clip, causal):
 
     if scheme == "shaw":
         rel_k, rel_v = table
-        band = lambda: kernels.shaw_banded(  # noqa: E731
+        band = lambda: kernels_relpos.shaw_banded(  # noqa: E731
             q, k, v, rel_k, rel_v, max_relative_position=clip, is_causal=causal
         )
         # need_weights takes the gathered form (which forms the probabilities either way)
@@ -62,7 +62,7 @@ def contenders(scheme, q, k, v, table, clip, causal):
             q, k, v, rel_k, rel_v, max_relative_position=clip, is_causal=causal, need_weights=True
         )[0]
     else:
-        band = lambda: kernels.saturating_bias_banded(q, k, v, table(), is_causal=causal)  # noqa: E731
+        band = lambda: kernels_relpos.saturating_bias_banded(q, k, v, table(), is_causal=causal)  # noqa: E731
         other, run = "bias [1, H, n, n]", lambda: spread_bias_attention(q, k, v, table(), causal)  # noqa: E731
     return {"plain SDPA": plain, "band": band, other: run}
 

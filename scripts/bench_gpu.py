@@ -150,7 +150,7 @@ class Bench:
     # -- the methods: each returns (forward, leaves, note); forward() -> output, gradients taken into leaves -------
 
     def relpos(self, kind, n):
-        from hf_relpos.triton_attention import relpos_attention
+        from hf_relpos.triton_attention_relpos import relpos_attention
 
         b = self.batch(n)
         q, k, v = self.qkv(b, n)
@@ -402,7 +402,7 @@ class Bench:
         torch = self.torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from hf_relpos.triton_attention import relpos_attention
+        from hf_relpos.triton_attention_relpos import relpos_attention
 
         n, b = self.check_n, self.check_batch
         torch.manual_seed(0)

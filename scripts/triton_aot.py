@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of the Triton attention kernels (``hf_relpos/triton_attention.py``) for sm_80 and sm_90,
+"""Ahead-of-time compile of the Triton attention kernels (``hf_relpos/triton_attention_relpos.py``) for sm_80 and sm_90,
 on a machine without a GPU: register count, spills, shared memory and floating-point atomics per kernel.
 
 ``triton.compile`` runs Triton's full NVIDIA backend on the CPU (shape rules, layouts, shared-memory allocation,
@@ -9,7 +9,7 @@ what the interpreter the test suite runs under cannot (a shape a GPU target reje
 memory over the card's limit); it says nothing about speed.
 
 Configuration compiled: the GPU launch of ``_forward`` / ``_backward`` (tiles, warps and stages of each kernel
-from ``triton_attention.GPU_LAUNCH``, ``UPCAST=False``, ``PRECISION="tf32"``), head sizes DP = 64 and 128,
+from ``triton_attention_relpos.GPU_LAUNCH``, ``UPCAST=False``, ``PRECISION="tf32"``), head sizes DP = 64 and 128,
 bfloat16 and float16 inputs, every KIND
 (0 none, 1 table, 2 log, 3 linear, 4 query_key), with ``CAUSAL``, ``HAS_VALID`` and ``HAS_DOC`` all True (the
 heaviest mask) and ``TERM_GRAD`` True where a term exists (the backward that also sums the term's gradient; the
@@ -74,8 +74,8 @@ def constexpr_values(kernel: str, kind: int, dp: int) -> dict:
 
 
 def tiles(kernel: str) -> dict:
-    """``BM``, ``BN`` of the kernel's GPU launch (``triton_attention.GPU_LAUNCH``)."""
-    from hf_relpos.triton_attention import GPU_LAUNCH
+    """``BM``, ``BN`` of the kernel's GPU launch (``triton_attention_relpos.GPU_LAUNCH``)."""
+    from hf_relpos.triton_attention_relpos import GPU_LAUNCH
 
     config = GPU_LAUNCH[kernel]
     return dict(BM=config["BM"], BN=config["BN"])
@@ -83,7 +83,7 @@ def tiles(kernel: str) -> dict:
 
 def options(kernel: str) -> dict:
     """``num_warps``, ``num_stages`` of the kernel's GPU launch."""
-    from hf_relpos.triton_attention import GPU_LAUNCH
+    from hf_relpos.triton_attention_relpos import GPU_LAUNCH
 
     config = GPU_LAUNCH[kernel]
     return dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
@@ -201,7 +201,7 @@ def markdown(report: dict) -> str:
         "target=GPUTarget(\"cuda\", arch, 32))` on a CPU machine, the PTX passed to `ptxas -v --gpu-name=sm_80 / "
         "sm_90a` with the options Triton's own build passes (`-lineinfo --regAllocOptLevel=2`: the cubin that "
         "runs; plain `ptxas -v` in the last column). Configuration: the GPU launch (each kernel's tiles BM x BN, "
-        "warps and stages in the table, from `triton_attention.GPU_LAUNCH`; tf32 dots), CAUSAL, "
+        "warps and stages in the table, from `triton_attention_relpos.GPU_LAUNCH`; tf32 dots), CAUSAL, "
         "HAS_VALID and HAS_DOC True, TERM_GRAD (and the forward's KEEP32) True for every kind with a term (False for "
         "`none`), NBP = 32 for "
         "the table (T5's 32 buckets), 1 otherwise.",
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
 
     import triton
 
-    from hf_relpos import triton_attention as ta
+    from hf_relpos import triton_attention_relpos as ta
 
     kernels = {"forward": ta._forward_kernel, "backward_kv": ta._backward_kv_kernel,
                "backward_q": ta._backward_q_kernel}

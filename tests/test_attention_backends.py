@@ -1,4 +1,4 @@
-"""attention_backends.py: the one seam between what a scheme's position term is and how it is computed.
+"""attention_backends_relpos.py: the one seam between what a scheme's position term is and how it is computed.
 
 The layout facts a new backend relies on (the fast-path choice made here only, the model file naming no scheme),
 and the compact forms against the dense bias they stand for: the same attention output from the fused path of a
@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from hf_relpos import POSITION_ENCODINGS, RelPosForCausalLM
-from hf_relpos import attention_backends
-from hf_relpos.attention_backends import COMPACT_PATHS, attend_bias, bias_term
-from hf_relpos.position_schemes import POSITION_SCHEMES, AdditiveBiasScheme, PositionScheme
+from hf_relpos import attention_backends_relpos
+from hf_relpos.attention_backends_relpos import COMPACT_PATHS, attend_bias, bias_term
+from hf_relpos.position_schemes_relpos import POSITION_SCHEMES, AdditiveBiasScheme, PositionScheme
 from tiny import make_model, padding_mask, rand_ids
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_relpos"
 # The functions that choose or run a fused CPU path on the model's behalf.
 FAST_PATH_NAMES = {"cpu_fast_path", "saturating_bias_attention", "causal_key_bias_attention", "attention_with_bias"}
-MODEL_FILES = ("modeling_relpos.py", "position_schemes.py", "position_context.py", "inputs_relpos.py",
+MODEL_FILES = ("modeling_relpos.py", "position_schemes_relpos.py", "position_context_relpos.py", "inputs_relpos.py",
                "generation_relpos.py", "loading_relpos.py")
 
 
@@ -109,7 +109,7 @@ def test_which_path_a_bias_takes(monkeypatch, scheme, dtype, compact):
     merged bias otherwise. FoX decides per layer."""
     calls = []
     for form, path in COMPACT_PATHS.items():
-        monkeypatch.setitem(attention_backends.COMPACT_PATHS, form,
+        monkeypatch.setitem(attention_backends_relpos.COMPACT_PATHS, form,
                             lambda *a, _path=path, _form=form: calls.append(_form) or _path(*a))
     model = make_model(RelPosForCausalLM, scheme, "sdpa", preset="modeling").to(dtype)
     with torch.no_grad():

@@ -2,8 +2,8 @@
 
 The oracle builds the bias of every (query, key) pair from upstream Transformers' own
 ``T5Attention._relative_position_bucket`` and runs a plain float64 softmax: nothing in it comes
-from the banded code. On CPU ``saturating_bias_attention`` takes the band from ``kernels.BIAS_BAND_MIN_LENGTH``
-tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal); the tests call the kernel (``kernels.saturating_bias_banded``)
+from the banded code. On CPU ``saturating_bias_attention`` takes the band from ``kernels_relpos.BIAS_BAND_MIN_LENGTH``
+tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal); the tests call the kernel (``kernels_relpos.saturating_bias_banded``)
 directly on short sequences so the oracles stay fast, and check that the banded path really ran.
 """
 
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_relpos import functional as F
-from hf_relpos import kernels as K
+from hf_relpos import kernels_relpos as K
 from test_shaw_banded import _LargestTensor, outputs_and_grads
 
 
@@ -119,7 +119,7 @@ def test_gradcheck(band, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_band_matches_the_spread_bias_it_replaces(band, causal):
     """The banded path against the bias spread over [1, H, n, n] in attention_with_bias (fp32, as models run),
-    which saturating_bias_attention takes below kernels.BIAS_BAND_MIN_LENGTH."""
+    which saturating_bias_attention takes below kernels_relpos.BIAS_BAND_MIN_LENGTH."""
     q, k, v, weight = inputs(7, 2, 4, 300, 16, 32, dtype=torch.float32)
     leaves = (q, k, v, weight)
     run = lambda attention: attention(  # noqa: E731
@@ -226,7 +226,7 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     """A padded batch (right and left padding) at the band's threshold takes the band / per-key path: the
     same outputs and gradients as the same padding given as a [B, 1, Q, K] mask, which takes the general path."""
     from hf_relpos import RelPosConfig, RelPosModel
-    from hf_relpos import attention_backends, position_schemes
+    from hf_relpos import attention_backends_relpos, position_schemes_relpos
 
     config = RelPosConfig(position_encoding=position_encoding, vocab_size=64, hidden_size=32, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=64, is_decoder=is_decoder,
@@ -246,7 +246,7 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     fast = {"t5_bias": "saturating_bias_attention", "shaw": "shaw_attention", "alibi": "causal_key_bias_attention"}
     fast_calls = []
     # Shaw's whole attention call is the scheme's; the compact forms' fused paths are the backend's.
-    module = position_schemes if position_encoding == "shaw" else attention_backends
+    module = position_schemes_relpos if position_encoding == "shaw" else attention_backends_relpos
     real = getattr(module, fast[position_encoding])
     monkeypatch.setattr(module, fast[position_encoding],
                         lambda *a, **k: fast_calls.append(k.get("attention_mask")) or real(*a, **k))

@@ -329,7 +329,7 @@ def test_softmax_gradients_do_not_depend_on_clamp_mins_rule_at_its_bound(monkeyp
     input equals the bound (2.13 passed it), and the masked softmax divided by ``sum.clamp_min(1.0)``, whose input
     is exactly 1 in a row with one key left, such as a causal sequence's first query. Under torch 2.15's rule,
     simulated here, such a row's gradient must stay zero, and Shaw's gradients must still pass gradcheck."""
-    from hf_relpos import functional
+    from hf_relpos import functional_relpos as functional  # _masked_softmax: private, not re-exported
 
     def clamp_min_without_gradient_at_the_bound(self, bound):
         return torch.where(self > bound, self, torch.full_like(self, bound))

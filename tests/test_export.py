@@ -1,8 +1,9 @@
 """torch.export and ONNX of every scheme, with a padding mask and dynamic batch and lengths.
 
 Each model is traced on one shape and run on another (another batch, length and padding); its outputs must equal
-eager's on the tokens that are not padding. Under export the fast CPU paths step aside for functional.py's public-op
-math (``attention_utils._exporting``); the eager paths stay as they are. One layer per stack keeps the file fast.
+eager's on the tokens that are not padding. Under export the fast CPU paths step aside for functional_relpos.py's
+public-op math (``attention_utils_relpos._exporting``); the eager paths stay as they are. One layer per stack keeps
+the file fast.
 """
 
 import functools
@@ -19,7 +20,7 @@ from hf_relpos import (
     RelPosForSequenceClassification,
     RelPosModel,
 )
-from hf_relpos.attention_utils import _exporting
+from hf_relpos.attention_utils_relpos import _exporting
 from hf_relpos.configuration_relpos import CAUSAL_ONLY
 from tiny import VOCAB, make_model
 
@@ -150,19 +151,21 @@ def test_torch_export_with_padding_and_dynamic_shapes_equals_eager(kind, scheme)
 
 
 def test_the_fast_paths_step_aside_only_under_export():
-    from hf_relpos import kernels
+    from hf_relpos import kernels_relpos
 
     q = torch.randn(1, 2, 600, 8)
     assert not _exporting()
-    assert kernels.fused_bias_applies(q) and kernels.txl_chunked_applies() and kernels.fire_mlp_applies()
-    assert kernels.shaw_banded_applies(q, q, q, 3)
+    assert kernels_relpos.fused_bias_applies(q) and kernels_relpos.txl_chunked_applies()
+    assert kernels_relpos.fire_mlp_applies()
+    assert kernels_relpos.shaw_banded_applies(q, q, q, 3)
 
     seen = []
 
     class Probe(torch.nn.Module):
         def forward(self, x):
-            seen.append((_exporting(), kernels.fused_bias_applies(x), kernels.shaw_banded_applies(x, x, x, 3),
-                         kernels.txl_chunked_applies(), kernels.fire_mlp_applies()))
+            seen.append((_exporting(), kernels_relpos.fused_bias_applies(x),
+                         kernels_relpos.shaw_banded_applies(x, x, x, 3), kernels_relpos.txl_chunked_applies(),
+                         kernels_relpos.fire_mlp_applies()))
             return x + 1
 
     torch.export.export(Probe(), (q,))

@@ -1,9 +1,9 @@
-"""``attn_implementation="flex_attention"`` (flex_backend.py) against eager, forward only on CPU (torch's FlexAttention
-has no CPU backward): every scheme whose term is a score function, in every mask setting of issue 36.
+"""``attn_implementation="flex_attention"`` (flex_backend_relpos.py) against eager, forward only on CPU (torch's
+FlexAttention has no CPU backward): every scheme whose term is a score function, in every mask setting of issue 36.
 
 On a CPU hf_relpos runs torch's unfused FlexAttention (its reference implementation of the same score and mask
-functions): torch 2.13's compiled CPU kernel gives wrong values at some shapes (``flex_backend._flex_kernel``), so
-nothing here compiles a kernel; ``test_a_static_cache_step_traces_whole`` traces the whole forward
+functions): torch 2.13's compiled CPU kernel gives wrong values at some shapes (``flex_backend_relpos._flex_kernel``),
+so nothing here compiles a kernel; ``test_a_static_cache_step_traces_whole`` traces the whole forward
 (``fullgraph=True``) with a recording backend. The GPU gradient check at the end skips without CUDA.
 """
 
@@ -19,7 +19,7 @@ from hf_relpos import (
     RelPosModel,
 )
 from hf_relpos.configuration_relpos import CAUSAL_ONLY
-from hf_relpos.position_schemes import POSITION_SCHEMES
+from hf_relpos.position_schemes_relpos import POSITION_SCHEMES
 from tiny import PRESETS, assert_close, assert_close_where, build, padding_mask, rand_ids
 
 pytestmark = pytest.mark.xdist_group("test_flex_attention")
@@ -47,7 +47,7 @@ def test_a_cpu_runs_torchs_unfused_flex_attention():
     (head_dim 8), with torch alone; a GPU compiles."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from hf_relpos.flex_backend import _flex_kernel
+    from hf_relpos.flex_backend_relpos import _flex_kernel
 
     assert _flex_kernel("cpu") is flex_attention
     assert _flex_kernel("cuda") is not flex_attention
@@ -210,7 +210,7 @@ def test_the_table_of_distances_is_the_dense_bias(scheme, causal):
     r1 and r2) as the same gradient on the dense bias does (on CPU, where torch's FlexAttention has no backward)."""
     model = build(scheme, cls=None if causal else RelPosModel, is_decoder=causal).train()
     scheme_module = model.position if isinstance(model, RelPosModel) else model.model.position
-    from hf_relpos.position_context import PositionContext
+    from hf_relpos.position_context_relpos import PositionContext
 
     past, q_length = 5, 7
     ctx = PositionContext(

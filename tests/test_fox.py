@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as TF
 
 from hf_relpos import functional as F
-from hf_relpos import kernels
+from hf_relpos import kernels_relpos
 from tiny import build
 
 
@@ -53,8 +53,9 @@ def fused(q, k, v, x, w, b, keys=None, **kw):
     log_f = TF.logsigmoid(x @ w.T + b).transpose(1, 2)  # [B, H, n]
     mask = None if keys is None else keys[:, None, None, :]
     if kw:
-        return kernels.causal_key_bias(q, k, v, F.fox_key_bias(log_f), attention_mask=mask, **kw)
-    return F.causal_key_bias_attention(q, k, v, F.fox_key_bias(log_f), attention_mask=mask, span=kernels.KEY_BIAS_SPAN)
+        return kernels_relpos.causal_key_bias(q, k, v, F.fox_key_bias(log_f), attention_mask=mask, **kw)
+    return F.causal_key_bias_attention(q, k, v, F.fox_key_bias(log_f), attention_mask=mask,
+                                       span=kernels_relpos.KEY_BIAS_SPAN)
 
 
 def exact(q, k, v, x, w, b, keys=None):
@@ -101,7 +102,7 @@ def test_chunks_and_strong_forgetting():
     inputs = case(5, n=60, dtype=torch.float32, gate_bias=-6.0, gate_std=0.3)
     log_f = TF.logsigmoid(inputs[3] @ inputs[4].T + inputs[5]).detach()
     assert log_f.mean() < -5
-    chunks = kernels._CausalKeyBiasAttention._chunks(F.fox_key_bias(log_f.transpose(1, 2)), 60, 16, 64.0)
+    chunks = kernels_relpos._CausalKeyBiasAttention._chunks(F.fox_key_bias(log_f.transpose(1, 2)), 60, 16, 64.0)
     assert len(chunks) > 60 // 16 + 1 and all(stop - start <= 16 for start, stop in chunks)
     err = errors(lambda *a: fused(*a, chunk=16, span=64.0), inputs)
     assert max(err) < 2e-4, err

@@ -1281,3 +1281,28 @@ def test_fire_bias_errors():
         F.fire_bias(w1, b1, w2, b2, c, threshold, 3, 3, past_length=-1)
     assert_names(ei, "past_length")
 
+
+
+# ---------------------------------------------------------------------------
+# The public module: hf_relpos.functional re-exports functional_relpos (the file remote code copies)
+# ---------------------------------------------------------------------------
+
+
+def test_the_public_module_reexports_the_implementation():
+    """``hf_relpos.functional`` keeps its public name and its functions; the code lives in ``functional_relpos``,
+    which the models import and ``save_pretrained`` copies under a name no installed package has. Each public name
+    is the same object in both, with the same ``__all__``, and the public module's docstring keeps the legend its
+    functions' shapes are written in."""
+    import hf_relpos
+    from hf_relpos import functional_relpos
+
+    assert hf_relpos.functional is F
+    assert F.__all__ == functional_relpos.__all__
+    public = {name for name in vars(functional_relpos) if not name.startswith("_")
+              and getattr(getattr(functional_relpos, name), "__module__", None) == functional_relpos.__name__}
+    assert set(F.__all__) == public, sorted(public ^ set(F.__all__))
+    for name in F.__all__:
+        assert getattr(F, name) is getattr(functional_relpos, name), name
+        assert getattr(F, name).__doc__, name
+    legend = functional_relpos.__doc__[functional_relpos.__doc__.index("Shapes (the layout"):]
+    assert legend in F.__doc__

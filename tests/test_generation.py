@@ -26,7 +26,7 @@ from tiny import (
 from transformers import StaticCache
 
 from hf_relpos import RelPosModel
-from hf_relpos import position_schemes
+from hf_relpos import position_schemes_relpos
 
 
 # ---------------------------------------------------------------------------
@@ -116,14 +116,14 @@ BIAS_FUNCTIONS = {"t5_bias": "t5_position_bias", "log_decay": "log_decay_bias", 
 
 def _recorder(monkeypatch, name):
     calls = []
-    original = getattr(position_schemes, name)
+    original = getattr(position_schemes_relpos, name)
 
     def wrapper(*args, **kwargs):
         out = original(*args, **kwargs)
         calls.append({"args": args, "kwargs": kwargs, "shape": tuple(out.shape)})
         return out
 
-    monkeypatch.setattr(position_schemes, name, wrapper)
+    monkeypatch.setattr(position_schemes_relpos, name, wrapper)
     return calls
 
 

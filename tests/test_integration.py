@@ -1,7 +1,8 @@
 """Integration tests: hf_relpos as a Transformers v5 plugin.
 
 Auto registration, save/load (safetensors, auto_map, code files), remote code in a
-process that cannot import ``hf_relpos``, ``pipeline``, ``Trainer`` (training,
+process that cannot import ``hf_relpos`` and in ``python`` started inside a saved folder (whose code
+files must shadow no importable module), ``pipeline``, ``Trainer`` (training,
 activation checkpointing), accelerate device maps, and loading safety.
 
 Every model is tiny and random (hidden 32, 4 heads, 2 layers); nothing is
@@ -27,6 +28,7 @@ from hf_relpos import (
     POSITION_ENCODINGS,
     RelPosConfig,
     RelPosForCausalLM,
+    RelPosForConditionalGeneration,
     RelPosForSequenceClassification,
     RelPosModel,
 )
@@ -50,8 +52,9 @@ torch.set_num_threads(1)
 
 PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent
 CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "generation_relpos.py", "inputs_relpos.py",
-              "loading_relpos.py", "position_context.py", "attention_backends.py", "position_schemes.py",
-              "functional.py", "kernels.py", "attention_utils.py", "model_card_relpos.py")
+              "loading_relpos.py", "position_context_relpos.py", "attention_backends_relpos.py",
+              "position_schemes_relpos.py", "functional_relpos.py", "kernels_relpos.py", "attention_utils_relpos.py",
+              "model_card_relpos.py")
 AUTO_MAP_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 VOCAB = 384  # len(ByT5Tokenizer())
 REMOTE_ENCODINGS = POSITION_ENCODINGS  # all eight; t5_bias, shaw, transformer_xl at least
@@ -479,6 +482,116 @@ def test_remote_code(remote_results, position_encoding, check):
 def test_remote_pipeline(remote_results):
     results, _, _ = remote_results
     assert_remote_ok(results, "pipeline")
+
+
+# ---------------------------------------------------------------------------
+# 3b. the copied code files' names: none an installed package or the standard library has
+# ---------------------------------------------------------------------------
+# save_pretrained copies modeling_relpos.py, configuration_relpos.py and every module they reach through
+# ``from .x import y``, flat into the folder. Python started inside the folder has the folder first on sys.path
+# (``sys.path[0] == ''``), so a copied file named like an installed package shadows it: a ``kernels.py`` hid the
+# ``kernels`` package that Transformers 5.25 imports while loading any model, and the load failed with "attempted
+# relative import with no known parent package". Every copied file ends in ``_relpos`` (Transformers' own
+# convention, ``modeling_<model_type>.py``), a module name nothing else has.
+
+NAME_PROBE = r'''
+import importlib.util, json, sys
+
+found = {}
+for stem in json.loads(sys.argv[1]):
+    spec = importlib.util.find_spec(stem)
+    found[stem] = {"importable": None if spec is None else str(spec.origin), "stdlib": stem in sys.stdlib_module_names}
+print(json.dumps(found))
+'''
+
+INSIDE_SCRIPT = r'''
+import importlib.abc, json, sys
+
+
+class _BlockHfRelpos(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hf_relpos" or name.startswith("hf_relpos."):
+            raise ModuleNotFoundError(f"hf_relpos is blocked in this process: {name}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _BlockHfRelpos())
+assert sys.path[0] == "", sys.path  # the folder (the cwd) first, as for any `python` started in it
+import torch
+import transformers
+
+torch.set_num_threads(1)
+auto, ids, new_tokens, out = json.loads(sys.argv[1])
+model = getattr(transformers, auto).from_pretrained(".", trust_remote_code=True).eval()
+with torch.no_grad():
+    tokens = model.generate(torch.tensor(ids), max_new_tokens=new_tokens, do_sample=False)
+with open(out, "w") as f:
+    json.dump({"module": type(model).__module__, "tokens": tokens.tolist(),
+               "hf_relpos": [m for m in sys.modules if m == "hf_relpos" or m.startswith("hf_relpos.")]}, f)
+'''
+
+SAVED_KINDS = {"causal": (RelPosForCausalLM, "modeling", "AutoModelForCausalLM"),
+               "seq2seq": (RelPosForConditionalGeneration, "seq2seq", "AutoModelForSeq2SeqLM")}
+NEW_TOKENS = 6
+
+
+def _outside_env(root: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "HF_", "TRANSFORMERS_"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(root / "hf_home"),
+               HF_MODULES_CACHE=str(root / "modules"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+@pytest.fixture(scope="module")
+def saved_kinds(tmp_path_factory):
+    """A tiny decoder-only LM and encoder-decoder saved, with the tokens greedy search gives in this process."""
+    root = tmp_path_factory.mktemp("saved_kinds")
+    ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(0))
+    saved = {}
+    for kind, (cls, preset, _) in SAVED_KINDS.items():
+        model = shared_make_model(cls, "t5_bias", preset=preset)
+        with torch.no_grad():
+            tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        model.save_pretrained(root / kind)
+        saved[kind] = (root / kind, ids.tolist(), tokens.tolist())
+    return saved
+
+
+def test_saved_code_files_shadow_no_importable_module(saved_kinds, tmp_path):
+    """Every ``.py`` file of a saved folder ends in ``_relpos`` and names no module that Python started elsewhere
+    finds (no installed package, no standard-library module)."""
+    stems = set()
+    for kind, (folder, _, _) in saved_kinds.items():
+        names = {p.stem for p in folder.glob("*.py")}
+        assert {"modeling_relpos", "configuration_relpos"} <= names, (kind, sorted(names))
+        stems |= names
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run([sys.executable, "-c", NAME_PROBE, json.dumps(sorted(stems))], cwd=elsewhere,
+                          env=_outside_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout)
+    assert sorted(found) == sorted(stems)
+    clashes = {stem: where for stem, where in found.items() if where["importable"] or where["stdlib"]}
+    unsuffixed = sorted(stem for stem in stems if not stem.endswith("_relpos"))
+    assert not clashes and not unsuffixed, (f"copied code files named like importable modules: {clashes}; "
+                                            f"not ending in _relpos: {unsuffixed}")
+
+
+@pytest.mark.parametrize("kind", sorted(SAVED_KINDS))
+def test_python_started_inside_a_saved_folder_loads_it(saved_kinds, kind, tmp_path):
+    """``python`` run in the folder itself (the folder first on sys.path, hf_relpos not importable) loads it with
+    ``from_pretrained(".", trust_remote_code=True)`` and decodes the tokens this process decodes."""
+    folder, ids, expected = saved_kinds[kind]
+    out = tmp_path / "out.json"
+    args = json.dumps([SAVED_KINDS[kind][2], ids, NEW_TOKENS, str(out)])
+    proc = subprocess.run([sys.executable, "-c", INSIDE_SCRIPT, args], cwd=folder, env=_outside_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["module"].startswith("transformers_modules."), result["module"]
+    assert result["hf_relpos"] == [], result["hf_relpos"]
+    assert result["tokens"] == expected, (result["tokens"], expected)
 
 
 # ---------------------------------------------------------------------------

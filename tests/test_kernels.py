@@ -1,4 +1,4 @@
-"""Each entry point of ``hf_relpos/kernels.py`` against ``functional.py``'s reference math and the float64
+"""Each entry point of ``hf_relpos/kernels_relpos.py`` against ``functional_relpos.py``'s reference math and the float64
 oracles (``tests/oracles.py``, or the formula written out in float64 where the oracles have none), values and
 gradients; the ``*_applies`` predicates with their thresholds given as arguments; the import direction.
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_relpos import functional as F
-from hf_relpos import kernels
+from hf_relpos import kernels_relpos
 from oracles import alibi_slopes_ref, shaw_ref, shaw_torch_ref, txl_ref, txl_torch_ref
 from test_functional import _fire_params, assert_close64, gen, make_mask, randn, txl_inputs
 
@@ -57,12 +57,12 @@ def test_fused_bias_attention_matches_the_formula_and_functional(bias_shape, chu
     B, H, Q, K, D = 2, 3, 7, 9, 4
     g, (q, k, v) = qkv(11, B, H, Q, K, D)
     bias = randn(g, *bias_shape, Q, K).requires_grad_(True)
-    assert kernels.fused_bias_applies(q)
-    got = kernels.fused_bias_attention(q, k, v, bias, 1.0 / math.sqrt(D), chunk_size=chunk_size)
+    assert kernels_relpos.fused_bias_applies(q)
+    got = kernels_relpos.fused_bias_attention(q, k, v, bias, 1.0 / math.sqrt(D), chunk_size=chunk_size)
     want = softmax_attention64(q, k, v, bias)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     with torch.no_grad():  # functional's other path: plain SDPA
-        assert not kernels.fused_bias_applies(q)
+        assert not kernels_relpos.fused_bias_applies(q)
         torch.testing.assert_close(got.detach(), F.attention_with_bias(q, k, v, bias), rtol=0, atol=1e-12)
     grads_agree(got, want, (q, k, v, bias), names="q k v bias".split())
     torch.testing.assert_close(got, F.attention_with_bias(q, k, v, bias, chunk_size=chunk_size), rtol=0, atol=0)
@@ -79,10 +79,11 @@ def test_shaw_banded_matches_the_oracles_and_the_gathered_form(causal, block, ro
     B, H, n, D, kk = 2, 2, 23, 3, 3
     g, (q, k, v) = qkv(12, B, H, n, n, D)
     rk, rv = randn(g, 2 * kk + 1, D).requires_grad_(True), randn(g, 2 * kk + 1, D).requires_grad_(True)
-    assert kernels.shaw_banded_applies(q, k, v, kk, min_length=n)
-    assert not kernels.shaw_banded_applies(q, k, v, kk, min_length=n + 1)
-    assert not kernels.shaw_banded_applies(q, k, v, kk)  # shorter than SHAW_BAND_MIN_LENGTH: gathered
-    got = kernels.shaw_banded(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal, block=block, rows=rows)
+    assert kernels_relpos.shaw_banded_applies(q, k, v, kk, min_length=n)
+    assert not kernels_relpos.shaw_banded_applies(q, k, v, kk, min_length=n + 1)
+    assert not kernels_relpos.shaw_banded_applies(q, k, v, kk)  # shorter than SHAW_BAND_MIN_LENGTH: gathered
+    got = kernels_relpos.shaw_banded(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal, block=block,
+                                     rows=rows)
     torch.testing.assert_close(got, shaw_ref(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal),
                                rtol=0, atol=1e-10)
     gathered, _ = F.shaw_attention(q, k, v, rk, rv, max_relative_position=kk, is_causal=causal, need_weights=True)
@@ -97,9 +98,9 @@ def test_saturating_bias_banded_matches_the_formula_and_the_spread_bias(causal, 
     B, H, n, D, s = 2, 3, 30, 4, 4
     g, (q, k, v) = qkv(13, B, H, n, n, D)
     table = randn(g, H, 2 * s + 1).requires_grad_(True)
-    assert kernels.saturating_bias_banded_applies(q, k, v, table, None, causal, min_length=n)
-    assert not kernels.saturating_bias_banded_applies(q, k, v, table, None, causal)  # below the default
-    got = kernels.saturating_bias_banded(q, k, v, table, is_causal=causal, block=block, rows=rows)
+    assert kernels_relpos.saturating_bias_banded_applies(q, k, v, table, None, causal, min_length=n)
+    assert not kernels_relpos.saturating_bias_banded_applies(q, k, v, table, None, causal)  # below the default
+    got = kernels_relpos.saturating_bias_banded(q, k, v, table, is_causal=causal, block=block, rows=rows)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     bias = table[:, (j - i).clamp(-s, s) + s].unsqueeze(0)  # [1, H, n, n]
     want = softmax_attention64(q, k, v, bias, allowed=(j <= i) if causal else None)
@@ -111,19 +112,21 @@ def test_saturating_bias_banded_matches_the_formula_and_the_spread_bias(causal, 
 
 def test_banded_attention_applies_only_where_it_computes_the_contract():
     g, (q, k, v) = qkv(14, 1, 2, 40, 40, 4, requires_grad=False)
-    assert kernels.shaw_banded_applies(q, k, v, 3, None, 0, 0.0, min_length=1)
-    assert not kernels.shaw_banded_applies(q, k, v, 3, None, 2, 0.0, min_length=1)  # a cache offset
-    assert not kernels.shaw_banded_applies(q, k, v, 3, None, 0, 0.1, min_length=1)  # dropout
-    assert not kernels.shaw_banded_applies(q[:, :, :5], k, v, 3, None, 0, 0.0, min_length=1)  # not self-attention
-    assert not kernels.shaw_banded_applies(q, k, v, 0, None, 0, 0.0, min_length=1)  # no band
-    assert not kernels.shaw_banded_applies(q, k, v, 3, torch.ones(1, 1, 40, 40, dtype=torch.bool), 0, 0.0,
-                                           min_length=1)  # a [Q, K] mask, not a key mask
-    assert kernels.shaw_banded_applies(q, k, v, 3, torch.ones(1, 1, 1, 40, dtype=torch.bool), 0, 0.0, min_length=1)
+    assert kernels_relpos.shaw_banded_applies(q, k, v, 3, None, 0, 0.0, min_length=1)
+    assert not kernels_relpos.shaw_banded_applies(q, k, v, 3, None, 2, 0.0, min_length=1)  # a cache offset
+    assert not kernels_relpos.shaw_banded_applies(q, k, v, 3, None, 0, 0.1, min_length=1)  # dropout
+    # not self-attention
+    assert not kernels_relpos.shaw_banded_applies(q[:, :, :5], k, v, 3, None, 0, 0.0, min_length=1)
+    assert not kernels_relpos.shaw_banded_applies(q, k, v, 0, None, 0, 0.0, min_length=1)  # no band
+    assert not kernels_relpos.shaw_banded_applies(q, k, v, 3, torch.ones(1, 1, 40, 40, dtype=torch.bool), 0, 0.0,
+                                                  min_length=1)  # a [Q, K] mask, not a key mask
+    assert kernels_relpos.shaw_banded_applies(q, k, v, 3, torch.ones(1, 1, 1, 40, dtype=torch.bool), 0, 0.0,
+                                              min_length=1)
     table = torch.zeros(2, 9)
-    assert kernels.saturating_bias_banded_applies(q, k, v, table, None, True, min_length=40)
-    big = torch.zeros(1, 2, kernels.CAUSAL_BIAS_BAND_MIN_LENGTH, 4)
-    assert kernels.saturating_bias_banded_applies(big, big, big, table, None, True)
-    assert not kernels.saturating_bias_banded_applies(big, big, big, table, None, False)  # BIAS_BAND_MIN_LENGTH
+    assert kernels_relpos.saturating_bias_banded_applies(q, k, v, table, None, True, min_length=40)
+    big = torch.zeros(1, 2, kernels_relpos.CAUSAL_BIAS_BAND_MIN_LENGTH, 4)
+    assert kernels_relpos.saturating_bias_banded_applies(big, big, big, table, None, True)
+    assert not kernels_relpos.saturating_bias_banded_applies(big, big, big, table, None, False)  # BIAS_BAND_MIN_LENGTH
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +142,7 @@ def test_txl_chunked_matches_the_oracles_and_the_explicit_form(causal, mk, chunk
     g, q, k, v, r, u, w = txl_inputs(15 + chunk, B, H, Q, K, D, K if causal else K + Q - 1)
     mask = make_mask(g, mk, B, H, Q, K)
     leaves = [t.requires_grad_(True) for t in (q, k, v, r, u, w)]
-    got = kernels.txl_chunked(*leaves, attention_mask=mask, is_causal=causal, chunk=chunk)
+    got = kernels_relpos.txl_chunked(*leaves, attention_mask=mask, is_causal=causal, chunk=chunk)
     torch.testing.assert_close(got, txl_ref(*leaves, attention_mask=mask, is_causal=causal), rtol=0, atol=1e-10)
     explicit, _ = F.transformer_xl_attention(*leaves, attention_mask=mask, is_causal=causal, need_weights=True)
     torch.testing.assert_close(got, explicit, rtol=0, atol=1e-12)
@@ -162,8 +165,8 @@ def test_causal_key_bias_matches_the_formula_and_the_exact_form(padded, chunk):
     mask = keys if padded else None
     slopes = torch.tensor(alibi_slopes_ref(H), dtype=torch.float64)
     key_bias = F.alibi_key_bias(slopes, n)
-    assert kernels.causal_key_bias_applies(q, k, v, key_bias, mask)
-    got = kernels.causal_key_bias(q, k, v, key_bias, attention_mask=mask, chunk=chunk)
+    assert kernels_relpos.causal_key_bias_applies(q, k, v, key_bias, mask)
+    got = kernels_relpos.causal_key_bias(q, k, v, key_bias, attention_mask=mask, chunk=chunk)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     allowed = (j <= i) & (keys if padded else True)
     want = softmax_attention64(q, k, v, -slopes[:, None, None] * (i - j), allowed=allowed)
@@ -171,8 +174,8 @@ def test_causal_key_bias_matches_the_formula_and_the_exact_form(padded, chunk):
     grads_agree(got, want, (q, k, v), atol=1e-11, names="q k v".split())
     # a key bias that needs a gradient (FoX's, per batch row) takes the kernel too: its gradient from the extra channel
     trained = (key_bias + torch.randn(B, H, n, generator=g, dtype=torch.float64)).requires_grad_(True)
-    assert kernels.causal_key_bias_applies(q, k, v, trained, mask)
-    got = kernels.causal_key_bias(q, k, v, trained, attention_mask=mask, chunk=chunk)
+    assert kernels_relpos.causal_key_bias_applies(q, k, v, trained, mask)
+    got = kernels_relpos.causal_key_bias(q, k, v, trained, attention_mask=mask, chunk=chunk)
     want = softmax_attention64(q, k, v, trained[:, :, None, :] - trained[:, :, :, None], allowed=allowed)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     grads_agree(got, want, (q, k, v, trained), atol=1e-11, names="q k v key_bias".split())
@@ -181,10 +184,10 @@ def test_causal_key_bias_matches_the_formula_and_the_exact_form(padded, chunk):
 def test_causal_key_bias_applies_only_where_it_computes_the_contract():
     g, (q, k, v) = qkv(17, 1, 2, 8, 8, 4, requires_grad=False)
     key_bias = torch.zeros(2, 8, dtype=torch.float64)
-    assert kernels.causal_key_bias_applies(q, k, v, key_bias)
-    assert not kernels.causal_key_bias_applies(q.half(), k.half(), v.half(), key_bias)  # rounding too coarse
-    assert not kernels.causal_key_bias_applies(q, k, v, key_bias, torch.ones(1, 1, 8, 8, dtype=torch.bool))
-    assert not kernels.causal_key_bias_applies(q, k, v[..., :3], key_bias)  # two head sizes
+    assert kernels_relpos.causal_key_bias_applies(q, k, v, key_bias)
+    assert not kernels_relpos.causal_key_bias_applies(q.half(), k.half(), v.half(), key_bias)  # rounding too coarse
+    assert not kernels_relpos.causal_key_bias_applies(q, k, v, key_bias, torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    assert not kernels_relpos.causal_key_bias_applies(q, k, v[..., :3], key_bias)  # two head sizes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,21 +201,21 @@ def test_fire_bias_blocks_of_rows_give_the_whole():
     w1, b1, w2, b2, c, threshold = params = [t.requires_grad_() for t in _fire_params(2, 4, 3)]
     x = torch.rand(1, 7, 9, generator=gen(4), dtype=torch.float64).requires_grad_(True)
     leaves = [x, w1, b1, w2, b2]
-    whole = kernels.fire_mlp(x, w1, b1, w2, b2)
+    whole = kernels_relpos.fire_mlp(x, w1, b1, w2, b2)
     assert_close64(whole, (torch.relu(x[..., None] * w1[:, 0] + b1) @ w2.T + b2).detach(), 1e-12)
     grads = torch.autograd.grad(whole.pow(2).sum(), leaves)
-    blocks = kernels.fire_mlp(x, w1, b1, w2, b2, elements=2 * 9 * 4)
+    blocks = kernels_relpos.fire_mlp(x, w1, b1, w2, b2, elements=2 * 9 * 4)
     assert_close64(blocks, whole.detach(), 0.0)
     for a, b in zip(torch.autograd.grad(blocks.pow(2).sum(), leaves), grads):
         assert_close64(a, b, 1e-12)
     bias = F.fire_bias(*params, 7, 9, past_length=2)
     assert bias.shape == (1, 2, 7, 9)
-    empty = kernels.fire_mlp(x[:, :0], w1, b1, w2, b2)
+    empty = kernels_relpos.fire_mlp(x[:, :0], w1, b1, w2, b2)
     assert empty.shape == (1, 0, 9, 2)
 
 
 # ---------------------------------------------------------------------------------------------
-# The import direction: functional -> kernels -> attention_utils, never back
+# The import direction: functional_relpos -> kernels_relpos -> attention_utils_relpos, never back
 # ---------------------------------------------------------------------------------------------
 
 
@@ -222,10 +225,11 @@ def _relative_imports(name):
 
 
 def test_kernels_sit_below_functional_with_no_cycle():
-    assert _relative_imports("functional") == {"attention_utils", "kernels"}
-    assert _relative_imports("kernels") == {"attention_utils"}
-    assert _relative_imports("attention_utils") == set()
-    for name in ("kernels", "attention_utils"):  # flat and Transformers-free, as remote code copies them
+    assert _relative_imports("functional") == {"functional_relpos"}  # the public module: re-exports only
+    assert _relative_imports("functional_relpos") == {"attention_utils_relpos", "kernels_relpos"}
+    assert _relative_imports("kernels_relpos") == {"attention_utils_relpos"}
+    assert _relative_imports("attention_utils_relpos") == set()
+    for name in ("kernels_relpos", "attention_utils_relpos"):  # flat and Transformers-free, as remote code copies them
         source = (PACKAGE / f"{name}.py").read_text()
         assert "transformers" not in {a.name.split(".")[0] for node in ast.walk(ast.parse(source))
                                       if isinstance(node, ast.Import) for a in node.names}

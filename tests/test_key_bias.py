@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_relpos import functional as F
-from hf_relpos import kernels
+from hf_relpos import kernels_relpos
 from oracles import alibi_slopes_ref
 from test_shaw_banded import _LargestTensor
 
@@ -85,7 +85,7 @@ def test_model_takes_the_per_key_form_and_matches_the_full_bias(monkeypatch, use
     full [1, H, n, n] bias, which the model tests check against the float64 model oracle; a cached
     prefill takes it too, and the decoding steps after it match."""
     from hf_relpos import RelPosConfig, RelPosForCausalLM
-    from hf_relpos import attention_backends
+    from hf_relpos import attention_backends_relpos
 
     config = RelPosConfig(position_encoding="alibi", vocab_size=64, hidden_size=32, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=64, is_decoder=True)
@@ -93,8 +93,9 @@ def test_model_takes_the_per_key_form_and_matches_the_full_bias(monkeypatch, use
     model = RelPosForCausalLM(config).double()
     ids = torch.randint(0, 64, (2, 40))
     calls = []
-    real = attention_backends.causal_key_bias_attention
-    monkeypatch.setattr(attention_backends, "causal_key_bias_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = attention_backends_relpos.causal_key_bias_attention
+    monkeypatch.setattr(attention_backends_relpos, "causal_key_bias_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def run():
         model.zero_grad()
@@ -167,8 +168,8 @@ def test_chunks_match_float64_oracle(causal_rows_padded):
     q, k, v = inputs(17, 4, H, n, 8)
     mask = padding_mask(4, n, torch.Generator().manual_seed(5)) if causal_rows_padded else None
     key_bias = F.alibi_key_bias(F.alibi_slopes(H, dtype=torch.float64), n)
-    assert kernels.causal_key_bias_applies(q, k, v, key_bias, mask)
-    got = kernels.causal_key_bias(q, k, v, key_bias, attention_mask=mask, chunk=16)
+    assert kernels_relpos.causal_key_bias_applies(q, k, v, key_bias, mask)
+    got = kernels_relpos.causal_key_bias(q, k, v, key_bias, attention_mask=mask, chunk=16)
     want = alibi_causal_oracle(q, k, v, alibi_slopes_ref(H), keys=None if mask is None else mask[:, :, 0, :])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -188,7 +189,7 @@ def test_chunks_bound_the_rounding_at_any_length():
     want = torch.softmax(scores.masked_fill(j > i, float("-inf")), -1) @ v.double()
     errors = {}
     for chunk in (1024, 128):
-        got = kernels.causal_key_bias(q, k, v, F.alibi_key_bias(slopes, n), chunk=chunk)
+        got = kernels_relpos.causal_key_bias(q, k, v, F.alibi_key_bias(slopes, n), chunk=chunk)
         errors[chunk] = (got.double() - want).abs().max().item()
     eps = torch.finfo(torch.float32).eps
     assert errors[128] < 4 * eps * 0.5 * 128, errors

@@ -1,4 +1,4 @@
-"""position_context.py: the cache read once (``read_cache`` -> ``Geometry``) and the mask kept as its recipe.
+"""position_context_relpos.py: the cache read once (``read_cache`` -> ``Geometry``) and the mask kept as its recipe.
 
 The geometry is checked against what each kind of Transformers cache holds, counted by the test (tokens fed,
 a window's width, a static cache's size); the recipe against the rendered mask by calling its mask function
@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from hf_relpos import RelPosForCausalLM, RelPosModel
-from hf_relpos.position_context import Geometry, read_cache
+from hf_relpos.position_context_relpos import Geometry, read_cache
 from tiny import build, make_model, padding_mask, rand_ids
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_relpos"
@@ -22,7 +22,7 @@ CACHE_QUESTIONS = {"get_seq_length", "get_query_offset", "get_mask_sizes", "get_
 
 
 def test_the_cache_is_asked_in_one_function():
-    """Every call of a Cache's geometry methods in the package sits in ``position_context.read_cache``."""
+    """Every call of a Cache's geometry methods in the package sits in ``position_context_relpos.read_cache``."""
     askers = set()
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -35,7 +35,7 @@ def test_the_cache_is_asked_in_one_function():
                 ):
                     askers.add((path.name, function.name))
     # read_cache's own nested calls are the only ones (the model file and the checks ask it for the record)
-    assert askers == {("position_context.py", "read_cache")}
+    assert askers == {("position_context_relpos.py", "read_cache")}
 
 
 def _fill(model, cache, tokens: int):

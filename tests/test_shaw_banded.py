@@ -1,9 +1,9 @@
-"""The band decomposition of Shaw attention (``kernels.shaw_banded``) against the loop oracles.
+"""The band decomposition of Shaw attention (``kernels_relpos.shaw_banded``) against the loop oracles.
 
 ``shaw_attention`` takes this path on CPU for self-attention without mask (or with a key mask), cache or
-dropout once the sequence is ``kernels.SHAW_BAND_MIN_LENGTH`` long (512). The tests call the kernel directly
+dropout once the sequence is ``kernels_relpos.SHAW_BAND_MIN_LENGTH`` long (512). The tests call the kernel directly
 on short sequences, so that the oracles (explicit per-(i, j) float64 loops from the contract's formula) stay
-fast, and check that ``kernels.shaw_banded_applies`` holds for each case (with ``min_length=1``).
+fast, and check that ``kernels_relpos.shaw_banded_applies`` holds for each case (with ``min_length=1``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_relpos import functional as F
-from hf_relpos import kernels as K
+from hf_relpos import kernels_relpos as K
 from oracles import shaw_ref, shaw_torch_ref
 
 
@@ -164,7 +164,7 @@ def test_banded_bfloat16_gradients_close_to_float64():
 
 
 def test_model_takes_the_band_and_matches_the_gathered_form(monkeypatch):
-    """A Shaw model on kernels.SHAW_BAND_MIN_LENGTH tokens (no padding) takes the band; it gives the outputs
+    """A Shaw model on kernels_relpos.SHAW_BAND_MIN_LENGTH tokens (no padding) takes the band; it gives the outputs
     and gradients of the gathered form (which output_attentions takes: only it has the probabilities)."""
     from hf_relpos import RelPosConfig, RelPosModel
 

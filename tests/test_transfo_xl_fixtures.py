@@ -103,7 +103,7 @@ def test_the_adaptive_softmax_oracle_gives_transfo_xls_log_probabilities(case):
 def adaptive_modules(config: dict, weights: dict, dtype=torch.float32):
     """hf_relpos's AdaptiveEmbedding and ProjectedAdaptiveLogSoftmax with the fixture's weights, tied tables and
     projections read from the embedding as TransfoXL ties them."""
-    from hf_relpos.adaptive_softmax import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+    from hf_relpos.adaptive_softmax_relpos import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 
     sizes = (config["vocab_size"], config["d_model"], config["d_embed"], config["cutoffs"], config["div_val"])
     embedding, head = AdaptiveEmbedding(*sizes), ProjectedAdaptiveLogSoftmax(*sizes)
@@ -138,8 +138,8 @@ def adaptive_modules(config: dict, weights: dict, dtype=torch.float32):
 
 @pytest.mark.parametrize("case", CASES)
 def test_hf_relpos_adaptive_modules_give_transfo_xls_embeddings_and_log_probs(case):
-    """hf_relpos/adaptive_softmax.py in float32 against TransfoXL's own float32 outputs: the embedding is layer 0's
-    memory (the embedded input), the log-probabilities those of the last hidden state, on every segment."""
+    """hf_relpos/adaptive_softmax_relpos.py in float32 against TransfoXL's own float32 outputs: the embedding is layer
+    0's memory (the embedded input), the log-probabilities those of the last hidden state, on every segment."""
     config, weights, reference = load_case(case)
     embedding, head, _ = adaptive_modules(config, weights)
     ids = reference["input_ids"]

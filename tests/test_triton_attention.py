@@ -1,4 +1,4 @@
-"""The fused Triton kernel of ``hf_relpos/triton_attention.py`` against float64 oracles written from the papers:
+"""The fused Triton kernel of ``hf_relpos/triton_attention_relpos.py`` against float64 oracles written from the papers:
 plain ``softmax(scale·q kᵀ + b + mask) v`` (a query with no key left: zeros), with ``b`` T5's table read through
 upstream T5's bucket of the distance (Raffel et al. 2020), KERPLE's ``-r1·ln(1 + r2|d|)`` (Chi et al. 2022),
 ALiBi's ``-m|d|`` with the paper's slopes (Press et al. 2022), FoX's ``c_i - c_j``, ``c = cumsum(log f)`` (Lin et
@@ -18,7 +18,7 @@ import torch.nn.functional as nnF
 
 pytest.importorskip("triton")
 
-from hf_relpos import triton_attention as TA  # noqa: E402
+from hf_relpos import triton_attention_relpos as TA  # noqa: E402
 from hf_relpos.functional import fox_query_key_bias, t5_relative_position_bucket  # noqa: E402
 
 if TA.interpreting():

@@ -1,5 +1,5 @@
-"""``attn_implementation="relpos_triton"`` (the Triton kernel of ``triton_attention.py``) through the models, against
-SDPA: values, the loss and every parameter's gradient, in the mask settings the kernel takes; generate; the
+"""``attn_implementation="relpos_triton"`` (the Triton kernel of ``triton_attention_relpos.py``) through the models,
+against SDPA: values, the loss and every parameter's gradient, in the mask settings the kernel takes; generate; the
 refusals; ``torch.compile(fullgraph=True)`` of a training step through the custom op.
 
 On a CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before anything
@@ -22,7 +22,7 @@ from hf_relpos import (  # noqa: E402
     RelPosForConditionalGeneration,
     RelPosModel,
 )
-from hf_relpos.position_schemes import POSITION_SCHEMES  # noqa: E402
+from hf_relpos.position_schemes_relpos import POSITION_SCHEMES  # noqa: E402
 from tiny import (  # noqa: E402
     PRESETS, assert_close, assert_close_where, build, enable_checkpointing, padding_mask, rand_ids,
 )

@@ -1,7 +1,7 @@
-"""Transformer-XL attention in chunks of query rows (``kernels.txl_chunked``).
+"""Transformer-XL attention in chunks of query rows (``kernels_relpos.txl_chunked``).
 
 The tests pass a small ``chunk`` so that small inputs span several chunks (the default,
-``kernels.TXL_CHUNK`` = 256 rows, leaves the oracle cases of test_functional.py in one chunk); values and
+``kernels_relpos.TXL_CHUNK`` = 256 rows, leaves the oracle cases of test_functional.py in one chunk); values and
 gradients are checked against the per-(i, j) float64 loop oracles written from the contract's formula.
 """
 
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_relpos import functional as F
-from hf_relpos import kernels
+from hf_relpos import kernels_relpos
 from oracles import txl_ref, txl_torch_ref
 from test_functional import _dead_rows, _full_mask_pattern, make_mask, txl_inputs
 from test_shaw_banded import _LargestTensor
@@ -25,7 +25,7 @@ FIXTURE_OK = settings(max_examples=60, deadline=None, suppress_health_check=[Hea
 
 def chunked(rows):
     """``transformer_xl_attention``'s chunked path (no dropout, no weights) with ``rows`` query rows per chunk."""
-    return functools.partial(kernels.txl_chunked, chunk=rows)
+    return functools.partial(kernels_relpos.txl_chunked, chunk=rows)
 
 
 @FIXTURE_OK

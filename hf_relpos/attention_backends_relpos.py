@@ -1,6 +1,6 @@
 """Attention backends: how a position term is computed, given what the scheme says it is.
 
-A scheme says what its term is (``position_schemes.py``): nothing beyond the mask (NoPE, the absolute baselines),
+A scheme says what its term is (``position_schemes_relpos.py``): nothing beyond the mask (NoPE, the absolute baselines),
 rotated queries and keys (RoPE, then the mask), an additive bias (``bias_term``: a dense bias and, where it has
 one, a compact form named by the scheme's ``compact_form``), or a whole attention call of its own (Shaw's values,
 Transformer-XL's position-dependent query). This module decides how it is computed, from the config's
@@ -9,15 +9,15 @@ Transformer-XL's position-dependent query). This module decides how it is comput
 - ``eager_attention_forward``: plain attention that materialises the probabilities (``output_attentions``);
 - ``interface_attention``: the config's ``attn_implementation`` through Transformers' attention interface
   (eager, SDPA, or one a user registered), a mask or a bias merged with it as the additive term;
-- ``cpu_fast_path``: the one predicate for the fused CPU paths (``kernels.py``) that a compact bias takes;
+- ``cpu_fast_path``: the one predicate for the fused CPU paths (``kernels_relpos.py``) that a compact bias takes;
 - ``bias_term``: the compact form where ``cpu_fast_path`` holds, else the dense bias merged with the mask;
 - ``attend_bias``: a compact form in its fused path (``COMPACT_PATHS``), a merged bias through
   ``attend_merged_bias``, kept on CPU SDPA's fused kernel when it needs a gradient;
 - under ``attn_implementation="flex_attention"``, every one of them hands the scheme's score form
-  (``PositionScheme.score_form``: a table of distances, FoX's vectors, or nothing) to ``flex_backend.py``;
+  (``PositionScheme.score_form``: a table of distances, FoX's vectors, or nothing) to ``flex_backend_relpos.py``;
 - under ``attn_implementation="relpos_triton"`` (``TRITON``), the scheme's kernel term (``kernel_term``: a table
   through a distance-to-index vector, a closed form, FoX's vectors, or nothing) and the mask's per-token vectors
-  (``kernel_masks``) to the fused Triton kernel of ``triton_attention.py``, imported on first use.
+  (``kernel_masks``) to the fused Triton kernel of ``triton_attention_relpos.py``, imported on first use.
 """
 
 from typing import Callable, Optional
@@ -28,12 +28,12 @@ from torch.nn import functional as F
 
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention_utils import _exporting
-from .flex_backend import FLEX, cross_block_mask, flex_attend, flex_self_attention
-from .functional import attention_with_bias, causal_key_bias_attention, saturating_bias_attention
-from .position_context import PositionContext
+from .attention_utils_relpos import _exporting
+from .flex_backend_relpos import FLEX, cross_block_mask, flex_attend, flex_self_attention
+from .functional_relpos import attention_with_bias, causal_key_bias_attention, saturating_bias_attention
+from .position_context_relpos import PositionContext
 
-# The fused Triton kernel's name as an attention implementation (triton_attention.py).
+# The fused Triton kernel's name as an attention implementation (triton_attention_relpos.py).
 TRITON = "relpos_triton"
 
 
@@ -77,9 +77,9 @@ def eager_attention_forward(
 
 
 def cpu_fast_path(ctx: PositionContext, device: torch.device, dropout: float) -> bool:
-    """Whether a scheme's compact term takes a fused CPU path of ``kernels.py``: CPU's SDPA path, self-attention of
-    a fresh forward with nothing masked but keys (``ctx.keys_only``), no attention dropout, and not while
-    exporting (those paths are eager fast paths: T5's band reads its reach on the host)."""
+    """Whether a scheme's compact term takes a fused CPU path of ``kernels_relpos.py``: CPU's SDPA path,
+    self-attention of a fresh forward with nothing masked but keys (``ctx.keys_only``), no attention dropout, and not
+    while exporting (those paths are eager fast paths: T5's band reads its reach on the host)."""
     return (
         not _exporting()
         and ctx.attn_implementation == "sdpa"
@@ -136,7 +136,7 @@ def cross_attention(attn: nn.Module, query, key, value, key_mask: Optional[torch
         block_mask = cross_block_mask(key_mask, query.shape[2], ctx)
         return flex_attend(attn, query, key, value, block_mask, alive=alive), None
     if ctx.attn_implementation == TRITON:
-        from .triton_attention import relpos_attention
+        from .triton_attention_relpos import relpos_attention
 
         valid = None if key_mask is None else key_mask[:, 0, 0, :].expand(query.shape[0], -1).contiguous()
         out = relpos_attention(query, key, value, scale=attn.scaling, key_valid=valid)
@@ -213,7 +213,7 @@ def _key_bias_path(attn, query, key, value, key_bias, ctx, span):
 
 
 # The compact forms a bias may take (a scheme's ``compact_form``) and the fused CPU path that computes each
-# (``functional``'s entry points: they check their inputs and compute exactly where a kernel of ``kernels.py``
+# (``functional``'s entry points: they check their inputs and compute exactly where a kernel of ``kernels_relpos.py``
 # cannot run).
 COMPACT_PATHS = {"distance": _distance_bias_path, "key": _key_bias_path}
 # The forms whose path runs in full precision only: the per-key kernel takes the differences of a float64 bias
@@ -271,7 +271,7 @@ def kernel_masks(ctx: PositionContext, device, batch: int):
 def triton_self_attention(attn: nn.Module, query, key, value, ctx: PositionContext, term=None) -> torch.Tensor:
     """Self-attention in the fused Triton kernel: the scheme's kernel term ``(name, values, index)`` (None: the
     mask alone) computed in the kernel, the mask from ``kernel_masks``. Returns ``[B, Q, H, D]``."""
-    from .triton_attention import relpos_attention
+    from .triton_attention_relpos import relpos_attention
 
     name, values, index = (None, None, None) if term is None else term
     key_valid, documents = kernel_masks(ctx, query.device, query.shape[0])
@@ -285,7 +285,7 @@ def triton_self_attention(attn: nn.Module, query, key, value, ctx: PositionConte
 def triton_refusal(scheme_class, config, device=None, training: bool = False) -> Optional[str]:
     """Why a forward cannot run in the Triton kernel (None when it can): the scheme's term is no function of small
     tables (its ``score_form`` is None: Shaw's, Transformer-XL's, FIRE's), a sliding window, attention dropout in
-    training, or a device the kernel does not run on (``triton_attention.device_refusal``)."""
+    training, or a device the kernel does not run on (``triton_attention_relpos.device_refusal``)."""
     if scheme_class.score_form is None:
         return (
             f"attn_implementation='relpos_triton' does not serve position_encoding={config.position_encoding!r} "
@@ -302,7 +302,7 @@ def triton_refusal(scheme_class, config, device=None, training: bool = False) ->
             "kernel has no attention dropout; set attention_dropout=0.0, or use 'sdpa' or 'eager'"
         )
     if device is not None:
-        from .triton_attention import device_refusal
+        from .triton_attention_relpos import device_refusal
 
         return device_refusal(device)
     return None

@@ -31,7 +31,7 @@ from transformers.masking_utils import (
 )
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from .position_context import PositionContext
+from .position_context_relpos import PositionContext
 
 FLEX = "flex_attention"
 

@@ -1,8 +1,8 @@
 """The position schemes of hf_relpos models, one small class each behind one seam.
 
-``modeling_relpos.RelPosModel`` builds the ``PositionContext`` once per forward (``position_context.py``) and asks
-its scheme for the per-forward term; every attention layer hands queries, keys and values to ``scheme.attend``,
-which computes it through ``attention_backends.py``. A scheme says what its term is; the backend module decides
+``modeling_relpos.RelPosModel`` builds the ``PositionContext`` once per forward (``position_context_relpos.py``) and
+asks its scheme for the per-forward term; every attention layer hands queries, keys and values to ``scheme.attend``,
+which computes it through ``attention_backends_relpos.py``. A scheme says what its term is; the backend module decides
 how it is computed:
 
 - nothing beyond the mask (NoPE, the absolute baselines) or rotated queries and keys (RoPE): the mask, through
@@ -10,9 +10,9 @@ how it is computed:
 - an additive bias (``AdditiveBiasScheme``: T5, log-decay, ALiBi, KERPLE, FIRE; FoX per layer): a dense bias and,
   where it has one, a compact form on small tables (``compact_form``), through ``bias_term`` and ``attend_bias``;
 - a whole attention call of its own (Shaw's relative values, Transformer-XL's position-dependent query), through
-  ``functional.py``'s exact computations and their fused CPU paths.
+  ``functional_relpos.py``'s exact computations and their fused CPU paths.
 
-Adding a scheme means one function in ``functional.py``, one class here and one line in ``POSITION_SCHEMES``.
+Adding a scheme means one function in ``functional_relpos.py``, one class here and one line in ``POSITION_SCHEMES``.
 """
 
 import math
@@ -25,9 +25,9 @@ from torch.nn import functional as F
 
 from transformers import initialization as init
 
-from .attention_backends import attend_bias, bias_term, interface_attention, mask_term
+from .attention_backends_relpos import attend_bias, bias_term, interface_attention, mask_term
 from .configuration_relpos import CAUSAL_ONLY, RelPosConfig
-from .functional import (
+from .functional_relpos import (
     KEY_BIAS_SPAN,
     alibi_bias,
     alibi_key_bias,
@@ -46,8 +46,8 @@ from .functional import (
     t5_saturation_distance,
     transformer_xl_attention,
 )
-from .position_context import PositionContext
-from .transformer_xl_relative import RelativeDistances, TransformerXLRelative
+from .position_context_relpos import PositionContext
+from .transformer_xl_relpos import RelativeDistances, TransformerXLRelative
 
 # ----------------------------------------------------------------------------------
 # Position schemes: the seam
@@ -75,10 +75,10 @@ class PositionScheme(nn.Module):
     token_init_std: Optional[float] = None
     # Channels the scheme appends to the keys (and so to the cache's keys) beyond head_dim, in ``prepare``.
     key_channels: int = 0
-    # The compact form of the scheme's bias that a fused path takes (a key of attention_backends.COMPACT_PATHS:
+    # The compact form of the scheme's bias that a fused path takes (a key of attention_backends_relpos.COMPACT_PATHS:
     # "distance", a bias per clipped distance; "key", a bias per key of causal attention), None without one.
     compact_form: Optional[str] = None
-    # The term as FlexAttention's score function (a key of flex_backend.SCORE_MODS: "distance", a bias per signed
+    # The term as FlexAttention's score function (a key of flex_backend_relpos.SCORE_MODS: "distance", a bias per signed
     # distance; "query_key", a bias per query plus one per key; "": nothing beyond the mask), or None where the term
     # is no function of a score and two small tables, and ``score_refusal`` says why (flex refused).
     score_form: Optional[str] = ""
@@ -142,8 +142,8 @@ class AdditiveBiasScheme(PositionScheme):
     reentrant activation checkpointing needs to carry a trained bias's gradient back to its table.
 
     A scheme whose bias has a compact form (T5's bias per clipped distance, causal ALiBi's bias per key) names it
-    in ``compact_form`` (a key of ``attention_backends.COMPACT_PATHS``) and returns it from ``compact`` (None where
-    it does not apply); the backend asks for it only where a fused path takes it (``bias_term``).
+    in ``compact_form`` (a key of ``attention_backends_relpos.COMPACT_PATHS``) and returns it from ``compact`` (None
+    where it does not apply); the backend asks for it only where a fused path takes it (``bias_term``).
     """
 
     score_form = "distance"
@@ -168,7 +168,7 @@ class AdditiveBiasScheme(PositionScheme):
         return bias.expand(self.num_heads, -1).contiguous()  # a bias the same for every head (log-decay's)
 
     def kernel_term(self, ctx: PositionContext, device) -> tuple:
-        """The term as the Triton kernel computes it (``triton_attention.TERMS``): ``(name, values, index)``."""
+        """The term as the Triton kernel computes it (``triton_attention_relpos.TERMS``): ``(name, values, index)``."""
         raise NotImplementedError
 
     def forward(self, ctx: PositionContext, device, dtype) -> torch.Tensor:

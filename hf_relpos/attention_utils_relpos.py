@@ -1,7 +1,7 @@
-"""Index and mask helpers shared by the math (``functional.py``) and the fast paths (``kernels.py``).
+"""Index and mask helpers shared by the math (``functional.py``) and the fast paths (``kernels_relpos.py``).
 
-Below both: it imports neither, so ``functional`` -> ``kernels`` -> ``attention_utils`` has no cycle.
-Shapes as in ``functional.py``'s legend: ``Q`` query rows, ``K`` keys.
+Below both: it imports neither, so ``functional_relpos`` -> ``kernels_relpos`` -> ``attention_utils_relpos`` has no
+cycle. Shapes as in ``functional_relpos.py``'s legend: ``Q`` query rows, ``K`` keys.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 def _exporting() -> bool:
     """True while ``torch.export`` (and the ONNX exporter built on it) traces: the fast paths step aside for the
     public-op reference math, since their private kernels, autograd Functions, Python loops over a length and
-    host reads cannot be exported. Every ``kernels.*_applies`` predicate asks this first; eager calls pay one
+    host reads cannot be exported. Every ``kernels_relpos.*_applies`` predicate asks this first; eager calls pay one
     cheap Python call and keep their paths, and ``torch.compile`` (which traces those paths) keeps them too."""
     return torch.compiler.is_exporting()
 

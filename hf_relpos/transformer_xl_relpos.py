@@ -1,7 +1,7 @@
 """Transformer-XL's per-layer position parameters (Dai et al. 2019, sec. 3.3): ``W_{k,R}`` (``r_net``), ``u``
 (``r_w_bias``) and ``v`` (``r_r_bias``), with the inference cache of ``W_{k,R} R_d`` that lets a decoding step read
 its slice instead of projecting every sinusoid again; and the distances (``RelativeDistances``) the scheme
-(``position_schemes.TransformerXLScheme``) hands them once per forward."""
+(``position_schemes_relpos.TransformerXLScheme``) hands them once per forward."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_relpos import RelPosConfig
-from .functional import sinusoidal_embedding
+from .functional_relpos import sinusoidal_embedding
 
 
 class TransformerXLRelative(nn.Module):

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch.autograd.function import once_differentiable
 
-from .attention_utils import _additive_mask, _causal_pattern, _exporting, _is_zero, _rel_shift
+from .attention_utils_relpos import _additive_mask, _causal_pattern, _exporting, _is_zero, _rel_shift
 
 __all__ = [
     "fused_bias_applies",

@@ -232,7 +232,7 @@ class PositionContext:
     alive: Optional[torch.Tensor]
     # The model-level scheme, referenced here rather than passed to layers as a module argument: device
     # hooks (accelerate) would otherwise move its weights on every call.
-    scheme: nn.Module  # the model's PositionScheme (position_schemes.py)
+    scheme: nn.Module  # the model's PositionScheme (position_schemes_relpos.py)
     # ``mask`` as bool ``[B, 1, 1, K]`` when it masks keys alone (padding of a fresh forward), else None:
     # the fused paths (band decomposition, per-key ALiBi) take such a mask without a [Q, K] tensor.
     key_mask: Optional[torch.Tensor] = None
@@ -246,7 +246,7 @@ class PositionContext:
     # ``mask`` is None, was prepared by the caller (a 4-D ``attention_mask``) or holds explicit positions.
     mask_recipe: Optional[MaskRecipe] = None
     # Masks a backend rendered its own way from the above, made once per forward and shared by the layers
-    # (FlexAttention's ``BlockMask``s, by ``flex_backend``), by name.
+    # (FlexAttention's ``BlockMask``s, by ``flex_backend_relpos``), by name.
     block_masks: dict = field(default_factory=dict)
 
     @classmethod
