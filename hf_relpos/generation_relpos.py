@@ -11,6 +11,7 @@ mixins the heads inherit (``modeling_relpos.py`` overrides none of GenerationMix
 
 import copy
 import inspect
+import math
 from typing import Optional
 
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache, StaticCache
@@ -39,16 +40,58 @@ def _request_refusal(prompt: int, max_new_tokens, limit: Optional[int], encoding
     )
 
 
-def _check_requests(manager, add_request, limit: Optional[int], encoding: str):
-    """``add_request`` refusing a request that cannot run (``_request_refusal``), at the caller: its step's forward
-    would raise in the manager's thread, which then fails every request and stops."""
+# The paged cache's default size when nothing says how many requests run together (hf-relpos serve's 8 clients),
+# and the most tokens one step takes on a CPU: Transformers' 8,192 makes its [1, 1, M, cache + M] masks hundreds of
+# megabytes, and 256 tokens a step already keep a CPU busy.
+CONCURRENT_REQUESTS = 8
+CPU_BATCH_TOKENS = 256
+_MOST_REQUESTS = 1024  # Transformers' own bound on requests per batch (FALLBACK_DEFAULTS in continuous batching)
+
+
+def size_paged_cache(cb_config, workload_hints, nominal_length: int, device):
+    """A paged-cache configuration sized for the requests, not for the machine.
+
+    Transformers fills ``max_memory_percent`` (0.6-0.9) of the device's free memory with cache blocks: on a CPU, the
+    machine's memory (14 GB for a 2-layer, hidden-32 model on a 24 GB machine). Unless the caller sets a budget
+    (``num_blocks`` or ``max_memory_percent``), the cache holds what the requests can need: ``requests x
+    ceil(length / page_size)`` blocks, ``requests`` from ``max_requests_per_batch``, the workload (``generate_batch``
+    knows its requests) or ``CONCURRENT_REQUESTS``, ``length`` the longest prompt plus the tokens to generate, or
+    ``nominal_length`` when nothing says. Returns a new configuration; the caller's is not changed."""
+    from transformers import ContinuousBatchingConfig
+
+    cb_config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
+    if cb_config.num_blocks is not None or cb_config.max_memory_percent is not None:
+        return cb_config  # the caller's budget
+    hinted = workload_hints.max_prompt_length + workload_hints.max_generated_length if workload_hints else 0
+    length = max(hinted or nominal_length, 1)
+    requests = cb_config.max_requests_per_batch
+    if requests is None:
+        hinted_requests = workload_hints.num_requests if workload_hints else 0
+        requests = min(hinted_requests, _MOST_REQUESTS) if hinted_requests > 0 else CONCURRENT_REQUESTS
+        cb_config.max_requests_per_batch = requests
+    cb_config.num_blocks = requests * math.ceil(length / cb_config.page_size)
+    if cb_config.max_batch_tokens is None and device.type == "cpu":
+        cb_config.max_batch_tokens = min(requests * length, CPU_BATCH_TOKENS)
+    return cb_config
+
+
+def _check_requests(manager, add_request, limit: Optional[int], encoding: str, capacity: Optional[int] = None):
+    """``add_request`` refusing a request that cannot run (``_request_refusal``), or one longer than the whole paged
+    cache holds (``capacity`` tokens), at the caller: its step's forward would raise in the manager's thread, which
+    then fails every request and stops; a request the cache can never hold would wait for ever."""
     signature = inspect.signature(add_request)
 
     def checked(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         new = bound.arguments.get("max_new_tokens")
         new = manager.generation_config.max_new_tokens if new is None else new
-        refusal = _request_refusal(len(bound.arguments["input_ids"]), new, limit, encoding)
+        prompt = len(bound.arguments["input_ids"])
+        refusal = _request_refusal(prompt, new, limit, encoding)
+        if refusal is None and capacity is not None and prompt + int(new or 0) > capacity:
+            refusal = (
+                f"a prompt of {prompt} tokens and max_new_tokens={new} need {prompt + int(new or 0)} tokens of paged "
+                f"cache, which holds {capacity} (give a ContinuousBatchingConfig with more num_blocks)"
+            )
         if refusal is not None:
             raise ValueError(refusal)
         return add_request(*args, **kwargs)
@@ -92,16 +135,26 @@ class RelPosGenerationMixin(GenerationMixin):
 class CausalLMGenerationMixin(RelPosGenerationMixin):
     """The causal LM's generation and continuous-batching hooks."""
 
-    def init_continuous_batching(self, *args, **kwargs):
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
         """Transformers' continuous batching (``generate_batch`` and ``continuous_batching_context_manager`` start
-        here), refused in one ``ValueError`` for a model that cannot take part (``continuous_batching_refusal``)."""
+        here), refused in one ``ValueError`` for a model that cannot take part (``continuous_batching_refusal``),
+        with a paged cache sized for the requests unless the caller sets a budget (``size_paged_cache``)."""
         refusal = continuous_batching_refusal(self.config)
         if refusal is not None:
             raise ValueError(f"{type(self).__name__} cannot use continuous batching (generate_batch): {refusal}")
-        manager = super().init_continuous_batching(*args, **kwargs)
+        if not hasattr(self, "_cached_continuous_batching_manager"):  # a kept manager keeps its own cache
+            limit = getattr(self.model.position, "max_positions", None)
+            continuous_batching_config = size_paged_cache(
+                continuous_batching_config, workload_hints, limit or self.config.max_position_embeddings, self.device
+            )
+        manager = super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
         if not getattr(manager.add_request, "_relpos_checked", False):
             limit = getattr(self.model.position, "max_positions", None)
-            manager.add_request = _check_requests(manager, manager.add_request, limit, self.config.position_encoding)
+            cb_config = manager.continuous_batching_config
+            capacity = cb_config.num_blocks * cb_config.page_size if cb_config.num_blocks is not None else None
+            manager.add_request = _check_requests(
+                manager, manager.add_request, limit, self.config.position_encoding, capacity
+            )
         return manager
 
     def generate_batch(self, inputs, generation_config=None, *args, **kwargs):
