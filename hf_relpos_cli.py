@@ -320,12 +320,15 @@ def _add_tool_commands(command) -> None:
                    help="the model's name in requests and /v1/models (default: the folder's name)")
     p.add_argument("--continuous-batching", action="store_true",
                    help="run requests together in Transformers' continuous batching (paged cache; decoder-only)")
-    p.add_argument("--cb-block-size", type=positive_int, default=None, help="paged cache block size in tokens")
-    p.add_argument("--cb-num-blocks", type=positive_int, default=None, help="paged cache blocks")
+    p.add_argument("--cb-block-size", type=positive_int, default=None,
+                   help="paged cache page size in tokens (Transformers' page_size; default 256)")
+    p.add_argument("--cb-num-blocks", type=positive_int, default=None,
+                   help="paged cache blocks of a page per layer (default: room for 8 requests of the longest the "
+                        "model takes)")
     p.add_argument("--cb-max-batch-tokens", type=positive_int, default=None, help="most tokens in one batch")
     p.add_argument("--cb-max-memory-percent", type=_number(float, 0.0, strict=True, maximum=1.0), default=None,
-                   help="the paged cache's share of free memory, > 0 to 1 (default: Transformers' 0.9 on a GPU, "
-                        "0.1 on a CPU, whose memory the whole machine shares)")
+                   help="size the paged cache as this share of the device's free memory, > 0 to 1, instead "
+                        "(Transformers' own way; on a CPU the whole machine's memory)")
     p.add_argument("--max-tokens", type=positive_int, default=1024,
                    help="most tokens a request may generate (and what a request that names none gets)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N or mps")

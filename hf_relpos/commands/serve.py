@@ -15,7 +15,6 @@ from .errors import UserError
 
 SERVING_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic")
 CB_OPTIONS = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent")
-CPU_CACHE_MEMORY = 0.1  # the paged cache's share of a CPU machine's free memory, unless --cb-* says otherwise
 # transformers.cli.serving's ModelManager, handlers and build_server: first tested on 5.21 (the oldest supported)
 SERVING_TRANSFORMERS = "5.21"
 
@@ -91,6 +90,32 @@ def exposure_warning(host: str) -> str | None:
             "authentication (the default --host 127.0.0.1 serves this machine only)")
 
 
+def _engine_server() -> bool:
+    """Whether the installed Transformers runs each model in a process of its own (5.25's ``ModelLoader``)."""
+    from transformers.cli.serving import model_manager
+
+    return hasattr(model_manager, "ModelLoader")
+
+
+def _cache_config(args, config, device):
+    """Continuous batching's paged cache: the ``--cb-*`` options, and unless one of them sets a budget, sized for
+    ``CONCURRENT_REQUESTS`` requests of the longest the server takes (a position table's size, else the config's
+    ``max_position_embeddings``) instead of Transformers' share of the machine's free memory. Returns the
+    configuration and how many tokens the whole cache holds (None: a share of memory, known only once allocated)."""
+    from transformers import ContinuousBatchingConfig
+
+    from ..generation_relpos import size_paged_cache
+    from .common import position_table
+
+    given = {name[len("cb_"):]: getattr(args, name) for name in CB_OPTIONS if getattr(args, name) is not None}
+    if "block_size" in given:  # Transformers' page_size (block_size is its name before 5.17)
+        given["page_size"] = given.pop("block_size")
+    longest = position_table(config) or config.max_position_embeddings
+    cb_config = size_paged_cache(ContinuousBatchingConfig(**given), None, longest, device)
+    tokens = cb_config.num_blocks * cb_config.page_size if cb_config.num_blocks is not None else None
+    return cb_config, tokens
+
+
 def serve_command(args) -> int:
     given = [f"--{k.replace('_', '-')}" for k in CB_OPTIONS
              if getattr(args, k) is not None]
@@ -98,44 +123,49 @@ def serve_command(args) -> int:
         raise UserError(f"{given[0]} sets continuous batching's paged cache: give it with --continuous-batching")
     check_serving()
     import torch
-    from transformers import GenerationConfig
 
     from ..inputs_relpos import continuous_batching_refusal
 
     device = _device(args.device)
-    model, tokenizer = load_folder(args.folder, encoder_decoder=True)
+    model, tokenizer = load_folder(args.folder, encoder_decoder=True)  # every check of the folder, before binding
     config = model.config
     refusal = continuous_batching_refusal(config) if args.continuous_batching else None
     if refusal:  # an encoder-decoder, Transformer-XL with memory
         raise UserError(f"--continuous-batching: the model in {args.folder!r} cannot take part ({refusal}); serve it "
                         "without --continuous-batching (one generate call at a time)")
-    if args.dtype != "auto":
-        model = model.to(getattr(torch, args.dtype))
-    model = model.to(device)
     # The command's settings, as `hf-relpos generate`'s: greedy unless a request asks for a temperature
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        decoder_start_token_id=config.decoder_start_token_id if config.is_encoder_decoder else None,
-    )
+    generation = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                      decoder_start_token_id=config.decoder_start_token_id if config.is_encoder_decoder else None)
     name = args.model_name or _default_name(args.folder)
+    cb_config, cache_tokens = _cache_config(args, config, device) if args.continuous_batching else (None, None)
 
     import uvicorn
 
-    from .serve_app import build_app
+    from .serve_requests import Served
 
-    cb_config = None
-    cb = {name[len("cb_"):]: getattr(args, name) for name in CB_OPTIONS}
-    sized = cb["num_blocks"] is not None or cb["max_memory_percent"] is not None
-    if args.continuous_batching and device.type == "cpu" and not sized:
-        # Transformers sizes the paged cache to 90% of the machine's memory on a CPU (of the GPU's on a GPU)
-        cb["max_memory_percent"] = CPU_CACHE_MEMORY
-    if any(v is not None for v in cb.values()):
-        from transformers import ContinuousBatchingConfig
+    served = Served(name, config, tokenizer, max_tokens=args.max_tokens, continuous_batching=args.continuous_batching,
+                    cache_tokens=cache_tokens)
+    sock = _bind(args.host, args.port)  # a taken port is one line before the model process starts
+    if _engine_server():
+        from .serve_app import build_app
 
-        cb_config = ContinuousBatchingConfig(**{k: v for k, v in cb.items() if v is not None})
-    app, state = build_app(name, model, tokenizer, continuous_batching=args.continuous_batching, cb_config=cb_config,
-                           max_tokens=args.max_tokens)
-    sock = _bind(args.host, args.port)
+        del model  # the model process loads its own
+        try:
+            app, stopper = build_app(served, str(args.folder), device=str(device), dtype=args.dtype,
+                                     generation=generation, cb_config=cb_config)
+        except RuntimeError as error:  # the model process failed to load or start
+            sock.close()
+            raise UserError(f"the model process could not start: {one_line(error)}") from error
+    else:
+        from transformers import GenerationConfig
+
+        from .serve_app_524 import build_app
+
+        if args.dtype != "auto":
+            model = model.to(getattr(torch, args.dtype))
+        model = model.to(device)
+        model.generation_config = GenerationConfig(**generation)
+        app, stopper = build_app(served, model, cb_config=cb_config)
     host, port = sock.getsockname()[:2]
     warning = exposure_warning(host)
     if warning:
@@ -149,17 +179,13 @@ def serve_command(args) -> int:
         async def shutdown(self, sockets=None):
             # the requests still generating a second before uvicorn's graceful wait ends are cut there (answered
             # with the tokens they have) rather than cancelled with their generate still running in its thread
-            def stop_generating():
-                state.stopping.set()
-                state.shutdown()
-
             later = asyncio.get_running_loop().call_later(max(self.config.timeout_graceful_shutdown - 1, 0),
-                                                          stop_generating)
+                                                          stopper.stop_generating)
             await super().shutdown(sockets)
             later.cancel()
-            # continuous batching's worker stopped while the event loop it hands tokens to is still open (after
-            # it closed, the worker raised there and the process waited for it)
-            state.shutdown()
+            # continuous batching's worker (or the model process) stopped while the event loop it hands tokens to
+            # is still open (after it closed, the worker raised there and the process waited for it)
+            stopper.shutdown()
 
     server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
     # a request still running 5 s after Ctrl-C is cancelled: uvicorn's one line says so, not the traceback too
@@ -175,7 +201,7 @@ def serve_command(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         logging.getLogger("uvicorn.error").removeFilter(cancelled)
-        state.shutdown()
+        stopper.shutdown()
         sock.close()
     print("hf-relpos serve: stopped", file=sys.stderr, flush=True)
     return 0
