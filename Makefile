@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat compat-venvs compat-tests docs
+.PHONY: newest run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat compat-venvs compat-tests docs
 
 setup: $(STAMP)
 
@@ -76,15 +76,16 @@ docs: $(DOCS_STAMP)
 clean:
 	rm -rf $(VENV) $(VENV)-tf* build *.egg-info .pytest_cache .hypothesis
 
-# The compatibility job (CI runs it after `make test`): on the oldest and the newest Transformers hf_relpos is
-# tested with (hf_relpos/versions.py; tests/test_compat.py keeps this list, that file and pyproject.toml equal),
-# each in a virtual environment of its own with the built wheel and the development torch:
-#   - the whole test suite on the newest; on the oldest the tests marked transformers_dependent (tests/conftest.py);
+# The compatibility job (CI runs it after `make test`, which runs the whole suite on the development pin, the newest
+# Transformers hf_relpos is tested with): on the oldest (hf_relpos/versions.py; tests/test_compat.py keeps this
+# list, that file, the pins and pyproject.toml equal), in a virtual environment of its own with the built wheel and
+# the development torch:
+#   - the tests marked transformers_dependent (tests/conftest.py);
 #   - the main job (`make run`'s commands) gives the text it gives under the development pin, and its folder
 #     decodes to that text under the development pin too;
 #   - folders saved under the development pin decode identically through remote code under this version, and
 #     folders saved under this version under the development pin (scripts/cross_version.py).
-COMPAT_TRANSFORMERS ?= 5.21.0 5.24.0
+COMPAT_TRANSFORMERS ?= 5.21.0
 TORCH_PIN := $(shell sed -n 's/^torch==//p' constraints-dev.txt)
 RUN_ARGS := --steps 300 --overwrite
 PROMPT := "The for statement"
@@ -171,3 +172,21 @@ $(UPSTREAM_STAMP): $(STAMP)
 
 upstream-tests: $(UPSTREAM_STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) scripts/upstream_common_tests.py $(UPSTREAM_ARGS)
+
+# The next Transformers release, checked with one command (not run by CI): the newest 5.x the registry serves,
+# unpinned, in a virtual environment of its own with the development torch, the tests marked transformers_dependent
+# and a serve smoke test (tests/test_serve.py). docs/guides/supported-versions.md says how to move the pin after.
+NEWEST_VENV := $(VENV)-newest
+
+newest: $(STAMP)
+	rm -rf $(NEWEST_VENV) build/newest && mkdir -p build/newest
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(PYTHON) scripts/requirements.py test > build/newest/requirements.txt
+	$(NEWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST_VENV)/bin/python -m pip install --quiet "torch==$(TORCH_PIN)"
+	$(NEWEST_VENV)/bin/python -m pip install --quiet --upgrade "torch==$(TORCH_PIN)" "transformers>=5,<6" -r build/newest/requirements.txt
+	$(PY) -m pip wheel --quiet --no-deps -w build/newest/wheel .
+	$(NEWEST_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall "$$(ls build/newest/wheel/hf_relpos-*.whl)"
+	$(NEWEST_VENV)/bin/hf-relpos --version
+	HF_RELPOS_TEST_INSTALLED=1 OMP_NUM_THREADS=1 $(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) \
+		-m transformers_dependent

@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 # The oldest and newest Transformers the whole suite passes on (CI: `make test` on the development pin between
 # them, `make compat` on both ends). 5.21 is the first with every API the models use (`slice_logits_to_keep`;
 # `Cache.get_query_offset` and `get_mask_sizes(query_length, layer_idx)` came in 5.14-5.18).
-TESTED_TRANSFORMERS = ("5.21.0", "5.24.0")
+TESTED_TRANSFORMERS = ("5.21.0", "5.25.0")
 # torch releases the whole suite has passed on, each with the Transformers it ran with: CI's pin (a CPU wheel) with
 # the whole range; by hand (multi-GB CUDA builds on a CPU machine, 2026-11-24) the oldest torch with the oldest
 # tested Transformers, and the newest torch with the newest Transformers, which is what a fresh
