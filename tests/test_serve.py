@@ -9,6 +9,7 @@ Every answer is compared with ``model.generate`` on the same prompt in this proc
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import json
 import os
 import signal
@@ -41,6 +42,8 @@ pytestmark = pytest.mark.xdist_group("test_serve")
 torch.set_num_threads(1)
 
 TABLE = 64  # the decoder-only folder's learned position table
+# Transformers 5.25's server: the model runs in a process of its own (hf_relpos.commands.serve_app)
+ENGINE_SERVER = hasattr(importlib.import_module("transformers.cli.serving.model_manager"), "ModelLoader")
 SHORT = 8  # the encoder-decoder's max_position_embeddings, a field its relative scheme does not read
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -357,8 +360,28 @@ def test_continuous_batching_answers_sixteen_concurrent_clients_as_generate(fold
         streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
         expected = references("decoder", PROMPTS[1], 6)[0]
         assert status == 200 and expected.startswith(streamed) and set(expected[len(streamed):]) <= {"\ufffd"}
-        # one generation config serves every request (the first one's): sampling is refused, greedy answers stay
-        for field, value in (("temperature", 1.0), ("top_p", 0.5), ("frequency_penalty", 0.5)):
+        if ENGINE_SERVER:
+            # 5.25: each request samples with its own settings, and the greedy ones beside them stay greedy
+            def ask(i):
+                extra = dict(temperature=1.5, top_p=0.9, seed=i) if i % 2 else {}
+                return completion(server, PROMPTS[i], max_tokens=6, **extra)
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(ask, range(16)))
+            sampled_differ = 0
+            for i, (status, answer) in enumerate(answers):
+                assert status == 200, answer
+                greedy = references("decoder", PROMPTS[i], max_new_tokens=6)[0]
+                if i % 2:
+                    sampled_differ += answer["choices"][0]["text"] != greedy
+                else:
+                    assert answer["choices"][0]["text"] == greedy, PROMPTS[i]
+            assert sampled_differ >= 4, answers  # temperature 1.5 over a random model's 6 tokens: rarely the argmax
+            refused = (("frequency_penalty", 0.5),)
+        else:
+            # 5.21-5.24: one generation config serves every request (the first one's): sampling is refused
+            refused = (("temperature", 1.0), ("top_p", 0.5), ("frequency_penalty", 0.5))
+        for field, value in refused:
             status, answer = completion(server, PROMPTS[2], max_tokens=6, **{field: value})
             assert status == 400 and answer["error"]["param"] == field, answer
         status, answer = completion(server, PROMPTS[2], max_tokens=6)

@@ -40,13 +40,21 @@ def _answer_after_prompt(generate):
     return wrapped
 
 
+# Continuous batching on 5.25 samples per request with the temperature, top-k and top-p processors the model's
+# generation config sets up when batching starts (none for a greedy config, nor for temperature or top_p at 1.0):
+# the model process's config asks for all three so that each request can set its own. Every request sets them
+# (a greedy one sends top_k=1: its one token left is the argmax), so these values never decide an answer.
+CB_SAMPLING = dict(do_sample=True, temperature=0.5, top_k=50, top_p=0.5)
+
+
 class FolderLoader(ModelLoader):
     """Loads the one folder ``hf-relpos serve`` serves, whatever model id Transformers asks for, with hf_relpos'
     installed classes; pickled into the model process, so it holds only plain values."""
 
-    def __init__(self, folder: str, device: str, dtype: str, generation: dict):
+    def __init__(self, folder: str, device: str, dtype: str, generation: dict, continuous_batching: bool = False):
         super().__init__(device=device, dtype="auto")
         self.folder, self.serve_device, self.serve_dtype, self.generation = folder, device, dtype, generation
+        self.continuous_batching = continuous_batching
 
     def load_config(self, model_id: str):
         from transformers import GenerationConfig
@@ -73,7 +81,8 @@ class FolderLoader(ModelLoader):
         if self.serve_dtype != "auto":
             model = model.to(getattr(torch, self.serve_dtype))
         model = model.to(self.serve_device)
-        model.generation_config = GenerationConfig(**self.generation)
+        sampling = CB_SAMPLING if self.continuous_batching else {}
+        model.generation_config = GenerationConfig(**self.generation, **sampling)
         if model.config.is_encoder_decoder:
             model.generate = _answer_after_prompt(model.generate)
         return model, tokenizer
@@ -154,8 +163,10 @@ class _Stopper:
 
 def build_app(served: Served, folder: str, *, device: str, dtype: str, generation: dict, cb_config=None):
     """The FastAPI app of ``transformers serve`` for the folder, its model process started (it returns once the
-    model is loaded), and what stops it (see ``_Stopper``)."""
-    loader = FolderLoader(folder, device, dtype, generation)
+    model is loaded), and what stops it (see ``_Stopper``). Continuous-batching requests sample each with their own
+    settings (``CB_SAMPLING``)."""
+    served.per_request_sampling = served.continuous_batching
+    loader = FolderLoader(folder, device, dtype, generation, continuous_batching=served.continuous_batching)
     state = FolderGenerationState(continuous_batching=served.continuous_batching, cb_config=cb_config)
     manager = FolderModelManager(loader=loader, generation_state=state, force_model=served.name)
     completion = FolderCompletionHandler(model_manager=manager, generation_state=state)

@@ -39,6 +39,7 @@ class Served:
                  cache_tokens: int | None = None):
         self.name, self.config, self.tokenizer = name, config, tokenizer
         self.max_tokens, self.continuous_batching, self.cache_tokens = max_tokens, continuous_batching, cache_tokens
+        self.per_request_sampling = False  # continuous batching samples per request (set by the 5.25 app)
 
     def same_model(self, given) -> bool:
         """A request's ``model``: the served name, or the name an answer carries (``NAME@main``, Transformers')."""
@@ -86,14 +87,18 @@ class RequestChecks:
                 refuse(400, f"{field} {body[field]!r} is not supported by hf-relpos serve (leave it out)", field,
                        "unsupported_value")
         if served.continuous_batching:
-            # The folder's generation config is greedy, and Transformers' continuous batching samples only with the
-            # processors that config sets up (5.21-5.24: one config for all requests, the first one's)
-            for field, asked in (("temperature", (body.get("temperature") or 0) > 0),
-                                 ("top_p", body.get("top_p") not in (None, 1)),
-                                 ("frequency_penalty", body.get("frequency_penalty") not in (None, 0))):
+            # Transformers' continuous batching takes one sampling setting for all requests, the first one's
+            # (5.21-5.24), or per request temperature, top-k and top-p alone (5.25): what it cannot take per request
+            # is refused rather than applied to the other requests or ignored
+            asks = {"frequency_penalty": body.get("frequency_penalty") not in (None, 0)}
+            if not served.per_request_sampling:
+                asks = {"temperature": (body.get("temperature") or 0) > 0, "top_p": body.get("top_p") not in (None, 1),
+                        **asks}
+            for field, asked in asks.items():
                 if asked:
-                    refuse(400, f"{field} {body[field]!r}: with --continuous-batching this server answers greedily; "
-                                "leave it out, or serve without --continuous-batching", field, "unsupported_value")
+                    refuse(400, f"{field} {body[field]!r} is not taken per request with --continuous-batching on "
+                                "this Transformers; leave it out, or serve without --continuous-batching", field,
+                           "unsupported_value")
         if body.get("seed") is not None and type(body["seed"]) is not int:
             refuse(400, f"seed must be an integer, got {body['seed']!r}", "seed", "invalid_value")
         if body.get("stream") is not None and type(body["stream"]) is not bool:
