@@ -121,7 +121,8 @@ $(VENV)-tf%/.installed: pyproject.toml constraints-dev.txt scripts/requirements.
 	touch $@
 
 # The suite against the oldest tested Transformers: the tests marked transformers_dependent (tests/conftest.py);
-# against the newest: all of them. The wheel under test (built by `make compat`) is installed over the venv first.
+# against any other version in COMPAT_TRANSFORMERS (none by default: `make test` runs the newest), all of them.
+# The wheel under test (built by `make compat`) is installed over the venv first.
 COMPAT_OLDEST := $(firstword $(COMPAT_TRANSFORMERS))
 
 compat-tests: $(VENV)-tf$(TF)/.installed
@@ -179,7 +180,7 @@ upstream-tests: $(UPSTREAM_STAMP)
 NEWEST_VENV := $(VENV)-newest
 
 newest: $(STAMP)
-	rm -rf $(NEWEST_VENV) build/newest && mkdir -p build/newest
+	rm -rf $(NEWEST_VENV) build/newest build/lib build/bdist.* && mkdir -p build/newest
 	$(PYTHON) -m venv $(NEWEST_VENV)
 	$(PYTHON) scripts/requirements.py test > build/newest/requirements.txt
 	$(NEWEST_VENV)/bin/python -m pip install --quiet --upgrade pip

@@ -62,8 +62,13 @@ def size_paged_cache(cb_config, workload_hints, nominal_length: int, device):
     cb_config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
     if cb_config.num_blocks is not None or cb_config.max_memory_percent is not None:
         return cb_config  # the caller's budget
-    hinted = workload_hints.max_prompt_length + workload_hints.max_generated_length if workload_hints else 0
-    length = max(hinted or nominal_length, 1)
+    if workload_hints is None or workload_hints.max_prompt_length + workload_hints.max_generated_length == 0:
+        length = nominal_length
+    elif workload_hints.max_generated_length == 0:  # no max_new_tokens: the answer's length is not known
+        length = workload_hints.max_prompt_length + nominal_length
+    else:
+        length = workload_hints.max_prompt_length + workload_hints.max_generated_length
+    length = max(length, 1)
     requests = cb_config.max_requests_per_batch
     if requests is None:
         hinted_requests = workload_hints.num_requests if workload_hints else 0
@@ -165,8 +170,19 @@ class CausalLMGenerationMixin(RelPosGenerationMixin):
         config = self.generation_config if generation_config is None else generation_config
         new = kwargs.get("max_new_tokens")
         new = config.max_new_tokens if new is None else new
+        kept = getattr(self, "_cached_continuous_batching_manager", None)  # persistent_manager=True before
+        kept_config = getattr(kept, "continuous_batching_config", None)
+        capacity = None
+        if kept_config is not None and kept_config.num_blocks is not None:
+            capacity = kept_config.num_blocks * kept_config.page_size
         for index, prompt in enumerate(inputs):
             refusal = _request_refusal(len(prompt), new, limit, self.config.position_encoding)
+            if refusal is None and capacity is not None and len(prompt) + int(new or 0) > capacity:
+                refusal = (
+                    f"{len(prompt) + int(new or 0)} tokens (prompt and max_new_tokens) do not fit the paged cache of "
+                    f"the manager kept by persistent_manager=True, which holds {capacity}: call "
+                    "destroy_cached_continuous_batching_manager() first (a kept manager keeps its cache)"
+                )
             if refusal is not None:
                 raise ValueError(f"generate_batch: inputs[{index}]: {refusal}")
         return super().generate_batch(inputs, generation_config, *args, **kwargs)

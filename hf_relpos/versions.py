@@ -23,7 +23,7 @@ TESTED_TRANSFORMERS = ("5.21.0", "5.25.0")
 TESTED_TORCH = {
     "2.7.1": (TESTED_TRANSFORMERS[0], TESTED_TRANSFORMERS[0]),
     "2.13.0": TESTED_TRANSFORMERS,
-    "2.15.0": (TESTED_TRANSFORMERS[1], TESTED_TRANSFORMERS[1]),
+    "2.15.0": ("5.24.0", "5.24.0"),  # with 5.25 not installable here (2026-12-06: its CUDA dependencies)
 }
 
 

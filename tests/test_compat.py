@@ -320,7 +320,8 @@ def test_version_support_helpers():
     assert not versions.transformers_tested("5.0.0") and not versions.transformers_tested("6.0.0")
     assert versions.transformers_tested("5.24.3") and not versions.transformers_tested("5.20.9")
     assert versions.untested_transformers_warning(high) is None
-    assert versions.tested_together("2.13.0+cpu", low) and versions.tested_together("2.15.0+cu132", high)
+    assert versions.tested_together("2.13.0+cpu", low) and versions.tested_together("2.13.0+cpu", high)
+    assert versions.tested_together("2.15.0+cu132", "5.24.0") and not versions.tested_together("2.15.0", "5.25.0")
     assert not versions.tested_together("2.15.0", low) and not versions.tested_together("2.9.0", high)
 
 

@@ -432,6 +432,9 @@ def test_the_default_cache_holds_the_workload_and_a_given_budget_is_kept():
     share = size_paged_cache(ContinuousBatchingConfig(max_memory_percent=0.2), hints, 64, cpu)
     assert share.num_blocks is None and share.max_memory_percent == 0.2
     assert size_paged_cache(ContinuousBatchingConfig(max_requests_per_batch=2), hints, 64, cpu).num_blocks == 4
+    # no max_new_tokens (generate_batch's hints then say 0): the answer's length is unknown, nominal_length more
+    unbounded = WorkloadHints(max_prompt_length=200, max_generated_length=0, num_requests=2)
+    assert size_paged_cache(ContinuousBatchingConfig(page_size=256), unbounded, 64, cpu).num_blocks == 2 * 2
     gpu = size_paged_cache(None, hints, 64, torch.device("meta"))
     assert gpu.max_batch_tokens is None  # Transformers' own on an accelerator
     caller = ContinuousBatchingConfig()
@@ -449,3 +452,18 @@ def test_a_request_longer_than_the_whole_cache_is_refused_at_the_caller():
         with pytest.raises(ValueError, match="need 34 tokens of paged cache, which holds 32"):
             manager.add_request(list(range(2, 32)), max_new_tokens=4)
         assert manager.is_running()
+
+
+def test_a_kept_manager_too_small_for_a_later_batch_is_one_line_not_an_empty_result():
+    """persistent_manager=True keeps the first batch's manager and its cache; a later, longer batch was answered
+    with {} (Transformers logs the error it raised in its loop) whatever configuration it gave."""
+    model = build("alibi", impl="sdpa")
+    config = GenerationConfig(do_sample=False, max_new_tokens=3, eos_token_id=None, pad_token_id=0)
+    try:
+        first = model.generate_batch(inputs=[[2, 3, 4]], generation_config=config, persistent_manager=True)
+        assert len(first) == 1
+        with pytest.raises(ValueError, match=r"inputs\[0\]: .*destroy_cached_continuous_batching_manager"):
+            model.generate_batch(inputs=[list(range(2, 50)) * 8], generation_config=config,
+                                 continuous_batching_config=ContinuousBatchingConfig(num_blocks=64))
+    finally:
+        model.destroy_cached_continuous_batching_manager()

@@ -243,6 +243,20 @@ def test_a_relative_scheme_is_not_held_to_max_position_embeddings(servers, refer
     assert answer["usage"]["prompt_tokens"] > 4 * SHORT
 
 
+@pytest.mark.skipif(not ENGINE_SERVER, reason="Transformers 5.25's server (its model process) only")
+def test_an_encoder_decoders_table_bounds_its_prompt_alone_on_the_engine_server():
+    """5.25's server bounds prompt and answer together by the context length: an encoder-decoder's prompt of its
+    whole table was refused there (served on 5.21-5.24), with a message naming --max-model-len."""
+    from hf_relpos.commands.serve_app import FolderGenerationState
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=50,
+                 max_position_embeddings=16)
+    state = FolderGenerationState()
+    assert state.context_length(RelPosConfig(position_encoding="learned", is_encoder_decoder=True, **sizes)) is None
+    assert state.context_length(RelPosConfig(position_encoding="learned", **sizes)) == 16
+    assert state.context_length(RelPosConfig(position_encoding="alibi", **sizes)) is None
+
+
 def peak_rss_mib(pid: int) -> float:
     """The peak resident memory (VmHWM) of a process and every process under it (5.25: the model process), in MiB."""
     total, pending = 0, [pid]
@@ -293,6 +307,8 @@ def test_malformed_requests_get_a_4xx_json_error_and_serving_goes_on(servers, re
         ({"prompt": "x", "logit_bias": {"5": 100}}, None, 400, "logit_bias"),
         ({"prompt": "x", "presence_penalty": 1}, None, 400, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": -1}, None, 400, "frequency_penalty"),  # a 500 from generate before
+        ({"prompt": "x", "stream": True, "stream_options": "x"}, None, 400, "stream_options"),  # a 500 on 5.25
+        ({"prompt": "x", "stop": ""}, None, 400, "stop"),  # stopped after one token
     ]
     expected = references("decoder", "import os", max_new_tokens=4)[0]
     for body, raw, status, param in bad:
@@ -339,6 +355,10 @@ def test_chat_completions_with_a_template_and_a_clear_4xx_without(servers, refer
     assert status == 400 and answer["error"]["code"] == "no_chat_template", answer
     status, answer = request(servers["decoder"], "/v1/chat/completions", {"messages": "hello"})
     assert status == 400 and answer["error"]["param"] == "messages"
+    for kwargs in ("str", {"add_generation_prompt": False}, {"tokenize": False}):  # 500s before
+        status, answer = request(servers["decoder"], "/v1/chat/completions",
+                                 {"messages": messages, "max_tokens": 4, "chat_template_kwargs": kwargs})
+        assert status == 400 and answer["error"]["param"] == "chat_template_kwargs", answer
     long = [{"role": "user", "content": " ".join(["statement"] * TABLE)}]  # past the learned table
     status, answer = request(servers["decoder"], "/v1/chat/completions", {"messages": long, "max_tokens": 4})
     assert status == 400 and answer["error"]["param"] == "messages", answer  # was "prompt", a field chat has not

@@ -93,7 +93,9 @@ class FolderGenerationState(GenerationState):
     others (Transformers refuses prompts past ``max_position_embeddings``, a field relative schemes do not use)."""
 
     def context_length(self, config):
-        return position_table(config)
+        # an encoder-decoder's table bounds its encoder's prompt and its decoder's answer apart (checked by the
+        # request checks): Transformers' bound of prompt and answer together does not apply
+        return None if config.is_encoder_decoder else position_table(config)
 
 
 class FolderModelManager(ModelManager):

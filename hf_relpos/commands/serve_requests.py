@@ -26,6 +26,11 @@ IGNORED_FIELDS = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "
                   "top_logprobs": (None,), "presence_penalty": (None, 0), "logit_bias": (None, {})}
 
 
+# apply_chat_template's own arguments, which the handlers set: a request's chat_template_kwargs may not
+RESERVED_TEMPLATE_KEYS = frozenset({"add_generation_prompt", "tokenize", "return_dict", "return_tensors", "tools",
+                                    "conversation", "chat_template", "continue_final_message"})
+
+
 def refuse(status: int, message: str, param: str | None = None, code: str | None = None):
     raise HTTPException(status_code=status, detail={"message": message, "param": param, "code": code})
 
@@ -104,9 +109,20 @@ class RequestChecks:
         if body.get("stream") is not None and type(body["stream"]) is not bool:
             refuse(400, f"stream must be true or false, got {body['stream']!r}", "stream", "invalid_value")
         stop = body.get("stop")
-        if stop is not None and not (isinstance(stop, str) or (
+        if stop is not None and not ((isinstance(stop, str) and stop) or (
                 isinstance(stop, list) and stop and all(isinstance(s, str) and s for s in stop))):
-            refuse(400, f"stop must be a string or a list of non-empty strings, got {stop!r}", "stop", "invalid_value")
+            refuse(400, f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}", "stop",
+                   "invalid_value")
+        options = body.get("stream_options")
+        if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}
+                                        and isinstance(options.get("include_usage", False), bool)):
+            refuse(400, f"stream_options must be an object {{\"include_usage\": true or false}}, got {options!r}",
+                   "stream_options", "invalid_value")
+        template = body.get("chat_template_kwargs")
+        if template is not None and not (isinstance(template, dict) and not set(template) & RESERVED_TEMPLATE_KEYS):
+            refuse(400, "chat_template_kwargs must be an object of the template's own variables (not "
+                        f"{', '.join(sorted(RESERVED_TEMPLATE_KEYS))}), got {template!r}", "chat_template_kwargs",
+                   "invalid_value")
         if body.get("generation_config") is not None:
             refuse(400, "generation_config is not taken by hf-relpos serve: give max_tokens, temperature, top_p, "
                         "stop or seed", "generation_config", "invalid_value")
@@ -161,7 +177,8 @@ class RequestChecks:
             refuse(400, "tools are not supported by hf-relpos serve", "tools", "invalid_value")
         try:
             inputs = self.get_processor_inputs_from_messages(messages, modality)
-            ids = tokenizer.apply_chat_template(inputs, add_generation_prompt=True, tokenize=True, return_dict=True)
+            ids = tokenizer.apply_chat_template(inputs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                                **(body.get("chat_template_kwargs") or {}))
         except Exception as error:  # noqa: BLE001 - a template's own error (jinja raise_exception, a missing key)
             refuse(400, f"the chat template cannot render these messages: {' '.join(str(error).split())}",
                    "messages", "invalid_value")
