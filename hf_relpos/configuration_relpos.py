@@ -73,6 +73,10 @@ FIELD_RULES = {
     "rope_theta": _POSITIVE_FLOAT,
     "rms_norm_eps": _POSITIVE_FLOAT,
     "initializer_range": _POSITIVE_FLOAT,
+    "attention_scale": (
+        lambda value: value is None or (_is_real(value) and math.isfinite(value) and value > 0),
+        "None (1/sqrt(head_dim)) or a finite float > 0",
+    ),
     "hidden_dropout": _PROBABILITY,
     "attention_dropout": _PROBABILITY,
     "is_decoder": _BOOLEAN,
@@ -196,6 +200,7 @@ class RelPosConfig(PreTrainedConfig):
     attention_dropout: float = 0.0
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
+    attention_scale: float | None = None
     attention_bias: bool = False
     use_cache: bool = True
     tie_word_embeddings: bool = True
@@ -268,6 +273,11 @@ class RelPosConfig(PreTrainedConfig):
             raise ValueError(
                 f"RelPosConfig.relative_attention_max_distance must be an int > {max_exact} (the exact-bucket "
                 f"region of {self.relative_attention_num_buckets} buckets), got {max_distance!r}"
+            )
+        if self.attention_scale is not None and self.position_encoding in ("shaw", "transformer_xl"):
+            raise ValueError(
+                f"RelPosConfig.attention_scale must be None for position_encoding={self.position_encoding!r} (its "
+                f"attention divides by sqrt(head_dim) as its paper does), got {self.attention_scale!r}"
             )
         if self.mem_len > 0 and self.position_encoding != "transformer_xl":
             raise ValueError(

@@ -100,6 +100,12 @@ class RelPosSequenceClassifierOutput(_MemsLast, SequenceClassifierOutput):
 # ----------------------------------------------------------------------------------
 
 
+def attention_scaling(config: RelPosConfig) -> float:
+    """The factor of ``q·k``: ``config.attention_scale``, or ``1/sqrt(head_dim)`` (Vaswani et al. 2017, eq. 1)
+    when None; T5 attends without it (1.0)."""
+    return config.head_dim**-0.5 if config.attention_scale is None else float(config.attention_scale)
+
+
 class RelPosAttention(nn.Module):
     def __init__(self, config: RelPosConfig, layer_idx: int):
         super().__init__()
@@ -107,7 +113,7 @@ class RelPosAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5
+        self.scaling = attention_scaling(config)
         self.attention_dropout = config.attention_dropout
         self.is_causal = config.is_decoder
         inner = config.num_attention_heads * config.head_dim
@@ -153,7 +159,7 @@ class RelPosCrossAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5
+        self.scaling = attention_scaling(config)
         self.attention_dropout = config.attention_dropout
         self.is_causal = False
         inner = config.num_attention_heads * config.head_dim

@@ -2,18 +2,18 @@
 ``hf-relpos convert-t5``.
 
 T5 (Raffel et al. 2020) is an encoder-decoder with hf_relpos' ``t5_bias`` scheme, RMS norms before each
-sub-layer, and attention without the ``1/sqrt(d)`` factor: ``softmax(q·k + b)``. hf_relpos' attention
-divides by ``sqrt(head_dim)``, so the conversion multiplies each query projection by ``sqrt(head_dim)``,
-which gives T5's scores exactly up to rounding (``(sqrt(d)·q)·k / sqrt(d) = q·k``). Every other weight is
-copied: v1.0's ReLU MLP (``wi``, ``wo``) and tied output layer with its ``d_model**-0.5`` rescaling
-(``scale_decoder_outputs``), v1.1/Flan's gated-GELU MLP (``wi_0`` as the gate, ``wi_1``) and untied
-output layer, and any ``num_heads * d_kv`` (``head_dim``).
+sub-layer, and attention without the ``1/sqrt(d)`` factor: ``softmax(q·k + b)``, which the converted model keeps
+as ``attention_scale=1.0``. Every weight is copied as it is, so the converted model has T5's parameters, gradients
+and optimiser steps: v1.0's ReLU MLP (``wi``, ``wo``) and tied output layer with its ``d_model**-0.5`` rescaling
+(``scale_decoder_outputs``), v1.1/Flan's gated-GELU MLP (``wi_0`` as the gate, ``wi_1``) and untied output layer,
+and any ``num_heads * d_kv`` (``head_dim``). (Conversions before ``attention_scale`` folded ``sqrt(head_dim)``
+into the query projections instead: the same outputs, but Adam moved those queries ``sqrt(head_dim)`` times
+slower than T5's; such folders keep loading as they are.)
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from pathlib import Path
 
 import torch
@@ -50,12 +50,12 @@ def t5_config_to_relpos(t5_config, *, tied: bool) -> RelPosConfig:
         eos_token_id=t5_config.eos_token_id,
         decoder_start_token_id=t5_config.pad_token_id if start is None else start,
         attention_bias=False,
+        attention_scale=1.0,  # T5 attends without 1/sqrt(d_kv)
     )
 
 
 def _t5_state_dict_to_relpos(state: dict, config: RelPosConfig) -> dict:
-    """Upstream T5 parameter names -> hf_relpos names, the query projections scaled by ``sqrt(head_dim)``."""
-    q_scale = math.sqrt(config.head_dim)
+    """Upstream T5 parameter names -> hf_relpos names (the same tensors)."""
     _, gated = config.mlp_activation
     out = {"shared.weight": state["shared.weight"]}
     if not config.tie_word_embeddings:
@@ -72,8 +72,7 @@ def _t5_state_dict_to_relpos(state: dict, config: RelPosConfig) -> dict:
                 out[f"{layer}.encoder_attn_layernorm.weight"] = state[f"{block}.1.layer_norm.weight"]
             for upstream, ours in attentions:
                 for name in "qkvo":
-                    weight = state[f"{block}.{upstream}.{name}.weight"]
-                    out[f"{layer}.{ours}.{name}_proj.weight"] = weight * q_scale if name == "q" else weight
+                    out[f"{layer}.{ours}.{name}_proj.weight"] = state[f"{block}.{upstream}.{name}.weight"]
             out[f"{layer}.input_layernorm.weight"] = state[f"{block}.0.layer_norm.weight"]
             ff = f"{block}.{2 if stack == 'decoder' else 1}"
             out[f"{layer}.post_attention_layernorm.weight"] = state[f"{ff}.layer_norm.weight"]
@@ -206,7 +205,7 @@ def t5_parity(upstream, converted, seed: int = 0) -> dict:
     }
 
 
-# fp32: above the rounding of the folded 1/sqrt(d) (see the module docstring) and of sdpa against eager, relative
+# fp32: above the rounding of sdpa against eager (and of the folded 1/sqrt(d) of earlier conversions), relative
 # to the logits' scale (a real checkpoint's logits reach tens).
 LOGIT_TOLERANCE = 1e-5
 

@@ -77,7 +77,7 @@ def scheme(request):
 # config, and the models' forward through Transformers' attention interface and masks. `make compat` runs every
 # test against the newest tested Transformers and these (`-m transformers_dependent`) against the oldest.
 TRANSFORMERS_DEPENDENT = {
-    "test_attention_backends", "test_auto_classes", "test_checkpoints", "test_cli", "test_cli_safety", "test_compat",
+    "test_attention_backends", "test_attention_scale", "test_auto_classes", "test_checkpoints", "test_cli", "test_cli_safety", "test_compat",
     "test_configuration_relpos", "test_continuous_batching", "test_corpus", "test_distributed", "test_empty_shapes",
     "test_export", "test_export_tools", "test_faults", "test_flex_attention", "test_fox", "test_fsdp", "test_generation",
     "test_inspect",
