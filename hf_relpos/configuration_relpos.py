@@ -140,6 +140,8 @@ class RelPosConfig(PreTrainedConfig):
     Fields named as upstream T5 names them: ``feed_forward_proj`` (``"relu"``, ``"gated-gelu"``, ...; default:
     ``hidden_act``, not gated), ``head_dim`` (T5's ``d_kv``; default ``hidden_size // num_attention_heads``)
     and ``scale_decoder_outputs`` (T5 v1.0's ``hidden_size**-0.5`` before a tied output layer).
+    ``attention_scale`` multiplies ``q·k`` in every attention (default None: ``1/sqrt(head_dim)``; T5 attends
+    without it, ``1.0``, which ``from_t5`` sets); Shaw and Transformer-XL keep their papers' ``1/sqrt(head_dim)``.
     ``sliding_window=W`` lets each query attend only to the ``W`` latest positions (itself included;
     bidirectional: distances up to ``W`` on both sides), in the model's masks and in Transformers' caches;
     for Transformer-XL with memory it is ``mem_len + 1``. In an encoder-decoder it limits both stacks'
