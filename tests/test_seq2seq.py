@@ -507,6 +507,62 @@ def test_convert_t5_command_writes_a_folder_with_upstreams_logits(tmp_path, caps
         assert len(err) == 1 and "encoder-decoder" in err[0], err
 
 
+@pytest.mark.parametrize("upstream_class", ["MT5ForConditionalGeneration", "T5EncoderModel", "MT5EncoderModel"])
+def test_convert_t5_command_converts_mt5_and_encoder_folders(upstream_class, tmp_path, capsys):
+    """config.json's model type and architectures pick the class; the folder reloads through the Auto classes with
+    the source's outputs, and its card names the source class."""
+    from transformers import AutoModel, AutoModelForSeq2SeqLM
+
+    upstream = random_t5("v1.1/Flan (gated GELU, untied)", seed=8, upstream_class=upstream_class)
+    upstream.save_pretrained(tmp_path / "src")
+    out = tmp_path / "converted"
+    assert cli_main(["convert-t5", str(tmp_path / "src"), str(out)]) == 0
+    printed = capsys.readouterr().out
+    encoder_only = upstream_class.endswith("EncoderModel")
+    assert ("last_hidden_state within" if encoder_only else "greedy identical") in printed, printed
+    card = (out / "README.md").read_text()
+    assert f"upstream `{upstream_class}`" in card and "{{" not in card
+    source, mask = padded_source()
+    model = (AutoModel if encoder_only else AutoModelForSeq2SeqLM).from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        if encoder_only:
+            got = model(input_ids=source, attention_mask=mask).last_hidden_state[mask.bool()]
+            expected = upstream(input_ids=source, attention_mask=mask).last_hidden_state[mask.bool()]
+        else:
+            target = torch.randint(2, VOCAB, (3, 5))
+            got = model(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+            expected = upstream(input_ids=source, attention_mask=mask, decoder_input_ids=target).logits
+    assert (got - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("model_type, reason", [("longt5", "local and transient-global attention"),
+                                                ("umt5", "a relative-bias table in every layer"),
+                                                ("bart", "converts 't5'")])
+def test_convert_t5_command_refuses_longt5_umt5_and_others_in_one_line(model_type, reason, tmp_path, capsys):
+    import json
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": model_type, "d_model": 10**9}))
+    assert cli_main(["convert-t5", str(tmp_path / "src"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-relpos convert-t5: error:") and reason in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_t5_command_refuses_a_t5_class_it_does_not_convert(tmp_path, capsys):
+    import json
+
+    upstream = random_t5("v1.0 (ReLU, tied output rescaled)", seed=8)
+    upstream.save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["architectures"] = ["T5ForSequenceClassification"]
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert cli_main(["convert-t5", str(tmp_path / "src"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "T5ForSequenceClassification" in err and "T5EncoderModel" in err and "\n" not in err
+
+
 # ---------------------------------------------------------------------------
 # 6. review: training-mode parity with upstream T5, resizing, half precision
 # ---------------------------------------------------------------------------

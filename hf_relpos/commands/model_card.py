@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ..model_card_relpos import BIBTEX  # one source: save_pretrained's card cites the same papers
 
-TEMPLATES = "hf_relpos.model_cards"  # one ``<scheme>.md`` per scheme, and ``seq2seq.md`` for convert-t5
+# one ``<scheme>.md`` per scheme, and ``seq2seq.md`` and ``t5_encoder.md`` for convert-t5
+TEMPLATES = "hf_relpos.model_cards"
 
 
 def _templates():
@@ -91,25 +92,36 @@ def write_model_card(folder: Path, summary: dict) -> None:
     (folder / "README.md").write_text(card)
 
 
-def write_seq2seq_card(out: Path, src: Path, config, parity: dict, torch_version: str) -> None:
-    """README.md of a ``convert-t5`` folder: the source, the converted shape and the parity found before writing."""
+def write_seq2seq_card(out: Path, src: Path, config, parity: dict, torch_version: str,
+                       source_class: str = "T5ForConditionalGeneration") -> None:
+    """README.md of a ``convert-t5`` folder: the source and its class, the converted shape and the parity found
+    before writing (an encoder alone: its hidden states)."""
     kind = "v1.1 / Flan style (gated GELU, untied output layer)" if config.mlp_activation[1] else "v1.0 style (ReLU)"
+    if config.is_encoder_decoder:
+        layers = f"{config.num_hidden_layers} encoder, {config.num_decoder_layers} decoder"
+        output = (f"{'tied to the token table' if config.tie_word_embeddings else 'untied'}"
+                  f"{', states scaled by d_model**-0.5' if config.scale_decoder_outputs else ''}")
+        parity_row = (f"max abs logit difference {parity['max_abs_logit_diff']:.1e}; greedy "
+                      f"{'identical' if parity['greedy_identical'] else 'different'}, beam search "
+                      f"{'identical' if parity['beam_identical'] else 'different'}")
+    else:
+        layers = f"{config.num_hidden_layers} encoder (an encoder alone: `AutoModel` loads it)"
+        output = "none (the encoder's last_hidden_state)"
+        parity_row = f"max abs last_hidden_state difference {parity['max_abs_logit_diff']:.1e} at every real token"
     provenance = "\n".join([
         f"Converted by `hf-relpos convert-t5 {src} {out}` ({time.strftime('%Y-%m-%d')}, torch {torch_version}) from an "
-        f"upstream `T5ForConditionalGeneration`, {kind}:",
+        f"upstream `{source_class}`, {kind}:",
         "",
         "| | |",
         "| --- | --- |",
-        f"| layers | {config.num_hidden_layers} encoder, {config.num_decoder_layers} decoder |",
+        f"| layers | {layers} |",
         f"| width | d_model {config.hidden_size}, {config.num_attention_heads} heads × d_kv {config.head_dim}, d_ff "
         f"{config.intermediate_size} (`{config.feed_forward_proj}`) |",
-        f"| output layer | {'tied to the token table' if config.tie_word_embeddings else 'untied'}"
-        f"{', states scaled by d_model**-0.5' if config.scale_decoder_outputs else ''} |",
-        f"| parity with the source (random padded inputs, fp32) | max abs logit difference "
-        f"{parity['max_abs_logit_diff']:.1e}; greedy {'identical' if parity['greedy_identical'] else 'different'}, "
-        f"beam search {'identical' if parity['beam_identical'] else 'different'} |",
+        f"| attention | without 1/sqrt(d_kv), as T5 (`attention_scale` {config.attention_scale}) |",
+        f"| output layer | {output} |",
+        f"| parity with the source (random padded inputs, fp32) | {parity_row} |",
     ])
-    card = read_template("seq2seq")
+    card = read_template("seq2seq" if config.is_encoder_decoder else "t5_encoder")
     for key, value in (("title", f"{src.name} converted"), ("scheme", config.position_encoding),
                        ("provenance", provenance), ("bibtex", BIBTEX["t5_bias"])):
         card = card.replace("{{" + key + "}}", value)

@@ -80,10 +80,10 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
     converted model is checked against the upstream one on random padded inputs before anything is written.
     Returns that check's result (:func:`hf_relpos.t5_conversion.check_t5_parity`)."""
     import torch
+    import transformers
     from safetensors import SafetensorError
-    from transformers import T5Config, T5ForConditionalGeneration
 
-    from ..t5_conversion import check_t5_parity, from_t5
+    from ..t5_conversion import ENCODER_CLASSES, REFUSED_CLASSES, SEQ2SEQ_CLASSES, check_t5_parity, from_t5
 
     try:
         from huggingface_hub.errors import StrictDataclassError  # a config field of the wrong type
@@ -98,11 +98,25 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
         raise UserError(f"OUT_FOLDER {str(out)!r} is SRC_FOLDER: give another folder (the source is never replaced)")
     # model_type first, from the JSON itself: T5Config would read another model's config.json into T5 fields and
     # fail on the first field of another type (a StrictDataclassFieldValidationError)
-    model_type = read_json_object(src / "config.json").get("model_type")
-    if model_type != "t5":
-        raise UserError(f"SRC_FOLDER {str(src)!r} holds a {model_type!r} model; convert-t5 converts 't5' models")
+    raw = read_json_object(src / "config.json")
+    model_type, architectures = raw.get("model_type"), raw.get("architectures")
+    families = {"t5": "T5", "mt5": "MT5"}
+    refused = {"umt5": "UMT5", "longt5": "LongT5"}
+    if model_type in refused:
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds a {model_type!r} model, which convert-t5 does not convert: "
+                        f"{REFUSED_CLASSES[refused[model_type]]}")
+    if model_type not in families:
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds a {model_type!r} model; convert-t5 converts 't5' (T5, Flan-T5, "
+                        "ByT5) and 'mt5' models")
+    family = families[model_type]
+    given = architectures[0] if isinstance(architectures, list) and architectures else f"{family}ForConditionalGeneration"
+    allowed = [name for name in SEQ2SEQ_CLASSES + ENCODER_CLASSES if name.startswith(family)]
+    if given not in allowed:
+        raise UserError(f"SRC_FOLDER {str(src)!r} holds a {given!r} (config.json's architectures); convert-t5 converts "
+                        f"{' and '.join(allowed)} for model type {model_type!r}")
+    upstream_class = getattr(transformers, given)
     try:
-        config = T5Config.from_pretrained(src, local_files_only=True)
+        config = getattr(transformers, f"{family}Config").from_pretrained(src, local_files_only=True)
     except (OSError, ValueError, TypeError, StrictDataclassError) as error:
         raise UserError(f"SRC_FOLDER {str(src)!r}: its config.json cannot be read ({one_line(error)})") from error
     weights = [p for p in src.glob("*.safetensors") if p.is_file()]
@@ -114,8 +128,8 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
     check_conversion_output(out, overwrite)  # before the work, not when the converted model is saved
     with RemoveIfEmptyOnFailure(out):
         try:
-            _check_t5_fits(src, config, weights)
-            upstream, info = T5ForConditionalGeneration.from_pretrained(
+            _check_t5_fits(src, config, weights, upstream_class)
+            upstream, info = upstream_class.from_pretrained(
                 src, local_files_only=True, use_safetensors=True, output_loading_info=True,
                 ignore_mismatched_sizes=True,  # reported below by name, instead of Transformers' RuntimeError
             )
@@ -133,7 +147,7 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
             parity = check_t5_parity(upstream, converted)
         except ValueError as error:
             raise UserError(f"{src}: {error}; nothing written") from None
-        except IndexError:
+        except IndexError:  # (an encoder alone does not decode)
             # Upstream T5's own generate (the parity check decodes with it) indexes past its cache when the decoder
             # has more layers than the encoder (Transformers 5.21-5.24); the conversion cannot be checked.
             if config.num_decoder_layers <= config.num_layers:
@@ -148,14 +162,18 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model"):
             if (src / name).is_file():  # the source's tokenizer travels with the model
                 (out / name).write_bytes((src / name).read_bytes())
-        write_seq2seq_card(out, src, converted.config, parity, torch.__version__)
+        write_seq2seq_card(out, src, converted.config, parity, torch.__version__, source_class=given)
+    if not converted.config.is_encoder_decoder:
+        print(f"Converted {src} ({given}) -> {out}/: last_hidden_state within {parity['max_abs_logit_diff']:.1e} of "
+              "the source model at every real token (random padded inputs, fp32)")
+        return parity
     print(f"Converted {src} -> {out}/: logits within {parity['max_abs_logit_diff']:.1e} of the source model "
           f"(random padded inputs, fp32); greedy {'identical' if parity['greedy_identical'] else 'DIFFERENT'}, "
           f"beam search {'identical' if parity['beam_identical'] else 'DIFFERENT'}")
     return parity
 
 
-def _check_t5_fits(src: Path, config, weights: list) -> None:
+def _check_t5_fits(src: Path, config, weights: list, upstream_class) -> None:
     """A T5 config.json that asks for other or far more parameters than its weights hold is one line before
     anything is allocated (Transformers would allocate them at the config's size: 128 GB for vocab_size 1e9, and
     minutes to build num_layers 1e6). Reads the weights' headers and builds the model on the meta device with no
@@ -165,7 +183,6 @@ def _check_t5_fits(src: Path, config, weights: list) -> None:
     import re
 
     import torch
-    from transformers import T5ForConditionalGeneration
     from transformers.modeling_utils import load_state_dict
 
     from ..loading_relpos import MISSING_VALUES_FLOOR
@@ -174,13 +191,16 @@ def _check_t5_fits(src: Path, config, weights: list) -> None:
     for file in weights:
         shapes.update((k, tuple(v.shape)) for k, v in load_state_dict(str(file), map_location="meta").items())
     built = copy.deepcopy(config)
-    for field, stack in (("num_layers", "encoder"), ("num_decoder_layers", "decoder")):
+    stacks = [("num_layers", "encoder")]
+    if not upstream_class.__name__.endswith("EncoderModel"):
+        stacks.append(("num_decoder_layers", "decoder"))
+    for field, stack in stacks:
         held = len({m.group(1) for key in shapes if (m := re.match(rf"{stack}\.block\.(\d+)\.", key))})
         if getattr(config, field) > held:
             raise UserError(f"SRC_FOLDER {str(src)!r}: its weights do not match its config.json: {field}="
                             f"{getattr(config, field)} in config.json, {held} {stack} blocks in the weights")
     with torch.device("meta"):
-        model = T5ForConditionalGeneration(built)
+        model = upstream_class(built)
     lacking = 0
     for name, tensor in model.state_dict().items():
         if name not in shapes:
