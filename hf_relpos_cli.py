@@ -230,8 +230,10 @@ def _add_model_commands(command) -> None:
 
     command("validate-t5", "check T5 buckets, bias and whole converted models against the installed Transformers")
 
-    p = command("convert-t5", "an upstream T5 checkpoint folder as an hf_relpos encoder-decoder folder")
-    p.add_argument("src_folder", help="a local folder of a transformers T5ForConditionalGeneration (safetensors)")
+    p = command("convert-t5", "an upstream T5 or mT5 checkpoint folder as an hf_relpos encoder-decoder or encoder "
+                "folder")
+    p.add_argument("src_folder", help="a local folder of a transformers T5ForConditionalGeneration, "
+                   "MT5ForConditionalGeneration, T5EncoderModel or MT5EncoderModel (safetensors)")
     p.add_argument("out_folder", help="where the converted model, its code and its model card go")
     p.add_argument("--overwrite", action="store_true", help="replace an hf-relpos model already in OUT_FOLDER")
 

@@ -14,7 +14,6 @@ slower than T5's; such folders keep loading as they are.)
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import torch
 
@@ -51,8 +50,9 @@ def t5_config_to_relpos(t5_config, *, tied: bool, encoder_only: bool = False) ->
     model's output layer is its token table; ``encoder_only``: a bidirectional encoder alone, as
     ``T5EncoderModel``)."""
     if encoder_only:
-        return RelPosConfig(**_t5_fields(t5_config), is_decoder=False, tie_word_embeddings=False,
-                            dropout_placement="t5", eos_token_id=t5_config.eos_token_id)
+        # pad_token_id None: hf_relpos' encoder would give the pad id a padding row that never trains, T5's trains
+        return RelPosConfig(**{**_t5_fields(t5_config), "pad_token_id": None}, is_decoder=False,
+                            tie_word_embeddings=False, dropout_placement="t5", eos_token_id=t5_config.eos_token_id)
     start = t5_config.decoder_start_token_id
     return RelPosConfig(
         **_t5_fields(t5_config),
@@ -176,20 +176,6 @@ def _convert(model):
     return converted.train(model.training)
 
 
-def convert_t5_folder(src: Path, out: Path) -> RelPosForConditionalGeneration:
-    """Load a local upstream T5 checkpoint (safetensors only, nothing downloaded), convert it, save it to ``out``
-    with the remote code, and return the converted model. The caller checks that ``out`` may be written."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    config = T5Config.from_pretrained(src, local_files_only=True)
-    if config.model_type != "t5":
-        raise ValueError(f"{src} holds a {config.model_type!r} checkpoint, not an upstream T5 ('t5')")
-    model = T5ForConditionalGeneration.from_pretrained(src, local_files_only=True, use_safetensors=True)
-    converted = from_t5(model.eval())
-    converted.save_pretrained(out)
-    return converted
-
-
 # The three upstream kinds the conversion is checked on (tests, ``hf-relpos validate-t5``): T5 v1.0, v1.1 / Flan,
 # and a shape whose attention width ``num_heads * d_kv`` is not ``d_model``, with fewer decoder than encoder layers.
 T5_KINDS = {
@@ -296,6 +282,12 @@ def check_t5_parity(upstream, converted, seed: int = 0) -> dict:
         parity = t5_parity(upstream.eval(), converted.eval(), seed)
     finally:
         upstream.train(modes[0]), converted.train(modes[1])
+    if not parity_holds(parity) and not converted.config.is_encoder_decoder:
+        tolerance = LOGIT_TOLERANCE * max(1.0, parity["max_abs_logit"])
+        raise ValueError(
+            "the converted encoder does not reproduce the upstream T5 encoder (random padded inputs, fp32): max "
+            f"|last_hidden_state diff| {parity['max_abs_logit_diff']:.2e} at the real tokens (tolerance {tolerance:.1e})"
+        )
     if not parity_holds(parity):
         tolerance = LOGIT_TOLERANCE * max(1.0, parity["max_abs_logit"])
         raise ValueError(
@@ -308,6 +300,6 @@ def check_t5_parity(upstream, converted, seed: int = 0) -> dict:
 
 
 __all__ = [
-    "from_t5", "convert_t5_folder", "t5_config_to_relpos", "random_t5", "t5_parity", "check_t5_parity", "parity_holds",
+    "from_t5", "t5_config_to_relpos", "random_t5", "t5_parity", "check_t5_parity", "parity_holds",
     "LOGIT_TOLERANCE", "T5_KINDS", "SEQ2SEQ_CLASSES", "ENCODER_CLASSES",
 ]

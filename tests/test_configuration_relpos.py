@@ -184,6 +184,7 @@ NON_DEFAULT_FIELDS = dict(
 SEQ2SEQ_FIELDS = dict(
     NON_DEFAULT_FIELDS, is_encoder_decoder=True, position_encoding="t5_bias", mem_len=0, cutoffs=None, div_val=1,
     embedding_size=None, tie_projs=None, norm_position="pre", dropout_placement="t5", same_length=False, ext_len=0,
+    attention_scale=1.0,  # T5's (Transformer-XL, the decoder's scheme above, refuses the field)
 )
 
 
@@ -259,6 +260,7 @@ VALID = {
     "rope_theta": st.floats(1.0, 1e6),
     "rms_norm_eps": st.floats(1e-12, 1e-1),
     "initializer_range": st.floats(1e-4, 1.0),
+    "attention_scale": st.one_of(st.none(), st.floats(1e-3, 10.0)),
     "hidden_dropout": st.floats(0.0, 0.99),
     "attention_dropout": st.floats(0.0, 0.99),
     **{name: st.booleans() for name in BOOLS},
@@ -356,6 +358,10 @@ def config_faults(v: dict) -> set:
     for name in PROBABILITIES:
         if not (_is_real(v[name]) and 0.0 <= v[name] < 1.0):
             bad.add(name)
+    scale = v["attention_scale"]  # None (1/sqrt(head_dim)) or a finite float > 0; Shaw and Transformer-XL: None only
+    if scale is not None and (not (_is_real(scale) and math.isfinite(scale) and scale > 0)
+                              or v["position_encoding"] in ("shaw", "transformer_xl")):
+        bad.add("attention_scale")
     for name in ("pad_token_id", "bos_token_id", "decoder_start_token_id"):
         if not _token_ok(v[name], v["vocab_size"]):
             bad.add(name)

@@ -549,6 +549,42 @@ def test_convert_t5_command_refuses_longt5_umt5_and_others_in_one_line(model_typ
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("upstream_class, architectures", [("T5ForConditionalGeneration", ["T5WithLMHeadModel"]),
+                                                          ("T5EncoderModel", None), ("T5ForConditionalGeneration", None)])
+def test_convert_t5_command_reads_old_and_missing_class_names(upstream_class, architectures, tmp_path, capsys):
+    """The original T5 checkpoints (t5-small to t5-11b) name T5WithLMHeadModel; a config.json without architectures
+    is an encoder when its weights hold no decoder."""
+    import json
+
+    upstream = random_t5("v1.0 (ReLU, tied output rescaled)", seed=8, upstream_class=upstream_class)
+    upstream.save_pretrained(tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    if architectures is None:
+        del config["architectures"]
+    else:
+        config["architectures"] = architectures
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert cli_main(["convert-t5", str(tmp_path / "src"), str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["architectures"] == ["RelPosModel" if upstream_class == "T5EncoderModel" else
+                                      "RelPosForConditionalGeneration"]
+
+
+def test_a_converted_encoder_trains_its_pad_row_as_upstream():
+    """T5's token table has no padding row: the converted encoder's pad id must get upstream's gradient too
+    (hf_relpos' encoder gives its config's pad id a padding row; the conversion sets none)."""
+    upstream = random_t5("v1.1/Flan (gated GELU, untied)", seed=3, upstream_class="T5EncoderModel").train()
+    converted = hf_relpos.from_t5(upstream).train()
+    ids = torch.tensor([[5, 6, 7, 0, 0]])  # pad tokens, no attention mask
+    for model in (upstream, converted):
+        model.zero_grad()
+        model(input_ids=ids).last_hidden_state.sum().backward()
+    theirs, ours = upstream.shared.weight.grad, converted.embed_tokens.weight.grad
+    assert theirs[0].abs().max() > 1e-3
+    torch.testing.assert_close(ours / theirs.abs().max(), theirs / theirs.abs().max(), rtol=0, atol=1e-5)
+
+
 def test_convert_t5_command_refuses_a_t5_class_it_does_not_convert(tmp_path, capsys):
     import json
 

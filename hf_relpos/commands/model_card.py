@@ -97,6 +97,8 @@ def write_seq2seq_card(out: Path, src: Path, config, parity: dict, torch_version
     """README.md of a ``convert-t5`` folder: the source and its class, the converted shape and the parity found
     before writing (an encoder alone: its hidden states)."""
     kind = "v1.1 / Flan style (gated GELU, untied output layer)" if config.mlp_activation[1] else "v1.0 style (ReLU)"
+    if not config.is_encoder_decoder:
+        kind = "gated GELU" if config.mlp_activation[1] else "ReLU"
     if config.is_encoder_decoder:
         layers = f"{config.num_hidden_layers} encoder, {config.num_decoder_layers} decoder"
         output = (f"{'tied to the token table' if config.tie_word_embeddings else 'untied'}"

@@ -109,7 +109,11 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
         raise UserError(f"SRC_FOLDER {str(src)!r} holds a {model_type!r} model; convert-t5 converts 't5' (T5, Flan-T5, "
                         "ByT5) and 'mt5' models")
     family = families[model_type]
-    given = architectures[0] if isinstance(architectures, list) and architectures else f"{family}ForConditionalGeneration"
+    weights = [p for p in src.glob("*.safetensors") if p.is_file()]
+    if isinstance(architectures, list) and architectures:
+        given = OLD_NAMES.get(architectures[0], architectures[0])
+    else:  # no architectures: an encoder's weights hold no decoder
+        given = f"{family}ForConditionalGeneration" if _holds_a_decoder(weights) else f"{family}EncoderModel"
     allowed = [name for name in SEQ2SEQ_CLASSES + ENCODER_CLASSES if name.startswith(family)]
     if given not in allowed:
         raise UserError(f"SRC_FOLDER {str(src)!r} holds a {given!r} (config.json's architectures); convert-t5 converts "
@@ -119,7 +123,6 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
         config = getattr(transformers, f"{family}Config").from_pretrained(src, local_files_only=True)
     except (OSError, ValueError, TypeError, StrictDataclassError) as error:
         raise UserError(f"SRC_FOLDER {str(src)!r}: its config.json cannot be read ({one_line(error)})") from error
-    weights = [p for p in src.glob("*.safetensors") if p.is_file()]
     if not weights:
         raise UserError(f"SRC_FOLDER {str(src)!r} holds no .safetensors weights (pickled weights are not loaded)")
     empty = [p for p in weights if p.stat().st_size == 0]
@@ -164,13 +167,33 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
                 (out / name).write_bytes((src / name).read_bytes())
         write_seq2seq_card(out, src, converted.config, parity, torch.__version__, source_class=given)
     if not converted.config.is_encoder_decoder:
+        dropped = " (the decoder and output layer its weights also hold were left out)" if _holds_a_decoder(weights) else ""
         print(f"Converted {src} ({given}) -> {out}/: last_hidden_state within {parity['max_abs_logit_diff']:.1e} of "
-              "the source model at every real token (random padded inputs, fp32)")
+              f"the source model at every real token (random padded inputs, fp32){dropped}")
         return parity
     print(f"Converted {src} -> {out}/: logits within {parity['max_abs_logit_diff']:.1e} of the source model "
           f"(random padded inputs, fp32); greedy {'identical' if parity['greedy_identical'] else 'DIFFERENT'}, "
           f"beam search {'identical' if parity['beam_identical'] else 'DIFFERENT'}")
     return parity
+
+
+# Class names of config.json's `architectures` that Transformers renamed: the original T5 checkpoints (t5-small to
+# t5-11b) name T5WithLMHeadModel.
+OLD_NAMES = {"T5WithLMHeadModel": "T5ForConditionalGeneration"}
+
+
+def _holds_a_decoder(weights: list) -> bool:
+    """Whether the safetensors files hold a decoder (read from their headers alone)."""
+    from safetensors import safe_open
+
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                if any(key.startswith("decoder.") for key in handle.keys()):
+                    return True
+        except Exception:  # noqa: BLE001 - a damaged file is reported where the weights are loaded
+            continue
+    return False
 
 
 def _check_t5_fits(src: Path, config, weights: list, upstream_class) -> None:
