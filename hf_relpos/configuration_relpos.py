@@ -26,6 +26,9 @@ NORM_POSITIONS = ("pre", "post")
 # Where hidden_dropout applies besides the residual branches and the embeddings: "t5" also drops the MLP's
 # activations and the stack's output (T5); "transfo_xl" also drops the sinusoid R once per forward (Dai et al.).
 DROPOUT_PLACEMENTS = ("residual", "t5", "transfo_xl")
+# How weights start: "default" (N(0, initializer_range), a scheme's own parameters at its recipe's std) or "t5"
+# (T5's: each projection at its fan-in's std, token tables at 1.0).
+INITIALIZATIONS = ("default", "t5")
 
 
 def _is_int(value) -> bool:
@@ -73,6 +76,7 @@ FIELD_RULES = {
     "rope_theta": _POSITIVE_FLOAT,
     "rms_norm_eps": _POSITIVE_FLOAT,
     "initializer_range": _POSITIVE_FLOAT,
+    "initialization": (lambda value: value in INITIALIZATIONS, f"one of {list(INITIALIZATIONS)}"),
     "attention_scale": (
         lambda value: value is None or (_is_real(value) and math.isfinite(value) and value > 0),
         "None (1/sqrt(head_dim)) or a finite float > 0",
@@ -82,6 +86,7 @@ FIELD_RULES = {
     "is_decoder": _BOOLEAN,
     "is_encoder_decoder": _BOOLEAN,
     "shaw_value_embeddings": _BOOLEAN,
+    "relative_attention_per_layer": _BOOLEAN,
     "attention_bias": _BOOLEAN,
     "use_cache": _BOOLEAN,
     "tie_word_embeddings": _BOOLEAN,
@@ -116,7 +121,8 @@ class RelPosConfig(PreTrainedConfig):
     ``position_encoding`` picks the scheme:
 
     - ``"t5_bias"``: T5's learned scalar per log-spaced distance bucket and head, one table shared by all
-      layers (``relative_attention_num_buckets``, ``relative_attention_max_distance``).
+      layers (``relative_attention_num_buckets``, ``relative_attention_max_distance``), or with
+      ``relative_attention_per_layer`` one table in each layer (UMT5's).
     - ``"shaw"``: Shaw et al. 2018's relative key (and, with ``shaw_value_embeddings``, value) embeddings
       for distances clipped to ``[-max_relative_position, max_relative_position]``.
     - ``"transformer_xl"``: Dai et al. 2019's relative attention with sinusoidal ``R``, per-layer ``u``, ``v``,
@@ -142,6 +148,11 @@ class RelPosConfig(PreTrainedConfig):
     and ``scale_decoder_outputs`` (T5 v1.0's ``hidden_size**-0.5`` before a tied output layer).
     ``attention_scale`` multiplies ``q·k`` in every attention (default None: ``1/sqrt(head_dim)``; T5 attends
     without it, ``1.0``, which ``from_t5`` sets); Shaw and Transformer-XL keep their papers' ``1/sqrt(head_dim)``.
+    ``initialization="t5"`` starts the weights as T5 does (Mesh TensorFlow's, Transformers' ``T5PreTrainedModel``,
+    factor ``initializer_range / 0.02``): ``q_proj`` at std ``(hidden_size * head_dim)**-0.5``, ``k_proj``,
+    ``v_proj``, the MLP's input projections and T5 bias tables at ``hidden_size**-0.5``, ``o_proj`` at
+    ``(heads * head_dim)**-0.5``, ``down_proj`` at ``intermediate_size**-0.5``, token tables and the output layer at
+    1.0, norm scales at 1.0 (each times the factor); with ``attention_scale=1.0`` a model attends and trains as T5 did. ``"default"``: N(0, initializer_range).
     ``sliding_window=W`` lets each query attend only to the ``W`` latest positions (itself included;
     bidirectional: distances up to ``W`` on both sides), in the model's masks and in Transformers' caches;
     for Transformer-XL with memory it is ``mem_len + 1``. In an encoder-decoder it limits both stacks'
@@ -183,6 +194,7 @@ class RelPosConfig(PreTrainedConfig):
     position_encoding: str = "t5_bias"
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
+    relative_attention_per_layer: bool = False
     max_relative_position: int = 16
     shaw_value_embeddings: bool = True
     mem_len: int = 0
@@ -202,6 +214,7 @@ class RelPosConfig(PreTrainedConfig):
     attention_dropout: float = 0.0
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
+    initialization: str = "default"
     attention_scale: float | None = None
     attention_bias: bool = False
     use_cache: bool = True
@@ -275,6 +288,11 @@ class RelPosConfig(PreTrainedConfig):
             raise ValueError(
                 f"RelPosConfig.relative_attention_max_distance must be an int > {max_exact} (the exact-bucket "
                 f"region of {self.relative_attention_num_buckets} buckets), got {max_distance!r}"
+            )
+        if self.relative_attention_per_layer is True and self.position_encoding != "t5_bias":
+            raise ValueError(
+                "RelPosConfig.relative_attention_per_layer must be False unless position_encoding='t5_bias' (a "
+                f"T5 bias table per layer), got True with position_encoding={self.position_encoding!r}"
             )
         if self.attention_scale is not None and self.position_encoding in ("shaw", "transformer_xl"):
             raise ValueError(

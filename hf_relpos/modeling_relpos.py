@@ -11,8 +11,8 @@ loading and the Auto classes' refusals in ``loading_relpos.py``.
 Positions come from one place: ``RelPosModel.forward`` checks its inputs (``inputs_relpos.check_inputs``), which
 read the cache once (``position_context_relpos.read_cache``) into one record, ``Geometry``: how many tokens precede, the
 key range and the memory's length; ``PositionContext.from_inputs`` builds the positions and the mask from it
-before the first layer, with Transformers' mask functions; the forward asks the scheme for its per-forward term
-once and hands both to every layer.
+before the first layer, with Transformers' mask functions; the forward asks the scheme for its per-forward terms
+(one for every layer, or one per layer where the scheme has per-layer tables) and hands each layer its own.
 """
 
 import math
@@ -104,6 +104,20 @@ def attention_scaling(config: RelPosConfig) -> float:
     """The factor of ``q·k``: ``config.attention_scale``, or ``1/sqrt(head_dim)`` (Vaswani et al. 2017, eq. 1)
     when None; T5 attends without it (1.0)."""
     return config.head_dim**-0.5 if config.attention_scale is None else float(config.attention_scale)
+
+
+def t5_init_stds(config: RelPosConfig) -> dict:
+    """T5's initialisation (Mesh TensorFlow; Transformers' ``T5PreTrainedModel._init_weights``) by module name,
+    with T5's ``initializer_factor`` as ``initializer_range / 0.02``: each projection at its fan-in's std (the
+    query's also over ``head_dim``, as T5 attends without ``1/sqrt(head_dim)``), token tables and the output
+    layer at 1.0."""
+    factor = config.initializer_range / 0.02
+    model, inner = config.hidden_size, config.num_attention_heads * config.head_dim
+    stds = {"q_proj": (model * config.head_dim) ** -0.5, "k_proj": model**-0.5, "v_proj": model**-0.5,
+            "o_proj": inner**-0.5, "gate_proj": model**-0.5, "up_proj": model**-0.5,
+            "down_proj": config.intermediate_size**-0.5, "relative_attention_bias": model**-0.5,
+            "embed_tokens": 1.0, "shared": 1.0, "lm_head": 1.0}
+    return {name: factor * std for name, std in stds.items()}
 
 
 class RelPosAttention(nn.Module):
@@ -312,6 +326,18 @@ class RelPosPreTrainedModel(PreTrainedModel):
         be dropped. Only schemes that act before attention, on position ids, survive it."""
         return POSITION_SCHEMES[self.config.position_encoding].context_parallel and self.config.sliding_window is None
 
+    def post_init(self):
+        """With ``initialization="t5"``, each module T5 initialises its own way gets its std (``t5_init_stds``)
+        before Transformers initialises the weights."""
+        if self.config.initialization == "t5":
+            stds = t5_init_stds(self.config)
+            for name, module in self.named_modules():
+                if name.rpartition(".")[2] in stds:
+                    module.init_std = stds[name.rpartition(".")[2]]
+                elif isinstance(module, RelPosRMSNorm):  # T5 starts its norms' scales at its factor
+                    module.init_value = self.config.initializer_range / 0.02
+        super().post_init()
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -322,13 +348,13 @@ class RelPosPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 init.uniform_(module.bias, -bound, bound)
         elif isinstance(module, (nn.Linear,)):
-            init.normal_(module.weight, mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))
             if module.bias is not None:
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))
         elif isinstance(module, RelPosRMSNorm):
-            init.ones_(module.weight)
+            init.constant_(module.weight, getattr(module, "init_value", 1.0))
         elif isinstance(module, nn.LayerNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
@@ -475,10 +501,10 @@ class RelPosModel(RelPosPreTrainedModel):
         ctx = self._position_context(inputs_embeds, attention_mask, position_ids, geometry, mems, kwargs)
         encoder_mask = _key_padding_mask(encoder_attention_mask) if cross else None
         hidden_states = self.dropout(self.position.embed(inputs_embeds, ctx))
-        term = self.position(ctx, inputs_embeds.device, hidden_states.dtype)
+        terms = self.position.terms(ctx, inputs_embeds.device, hidden_states.dtype, len(self.layers))
 
         new_mems = [] if config.mem_len > 0 else None
-        for layer_idx, layer in enumerate(self.layers):
+        for layer_idx, (layer, term) in enumerate(zip(self.layers, terms)):
             memory = mems[layer_idx] if mems is not None else None
             if new_mems is not None:
                 new_mems.append(self._update_memory(memory, hidden_states))
@@ -634,7 +660,10 @@ class RelPosForCausalLM(RelPosPreTrainedModel, CausalLMGenerationMixin):
             return_dict=True,  # the head builds its own output (a tuple when asked for, by can_return_tuple)
             **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        if self.config.scale_decoder_outputs:  # T5 v1.0's d_model**-0.5 before the (tied) output layer, as seq2seq's
+            hidden = hidden * self.config.hidden_size**-0.5
+        logits = self.lm_head(hidden)
         loss = None
         if labels is not None or loss_kwargs.get("shift_labels") is not None:
             for name, target in (("labels", labels), ("shift_labels", loss_kwargs.get("shift_labels"))):

@@ -15,7 +15,9 @@ how it is computed:
 Adding a scheme means one function in ``functional_relpos.py``, one class here and one line in ``POSITION_SCHEMES``.
 """
 
+import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -121,6 +123,11 @@ class PositionScheme(nn.Module):
     def forward(self, ctx: PositionContext, device, dtype) -> Any:
         return mask_term(ctx, device)
 
+    def terms(self, ctx: PositionContext, device, dtype, layers: int) -> Iterable:
+        """The term of each of the ``layers`` layers, in order: the one ``forward`` term for all of them; a scheme
+        with a term of its own per layer (UMT5's T5 tables) gives one each."""
+        return itertools.repeat(self(ctx, device, dtype), layers)
+
     def rotate(self, query, key, term, ctx):
         return query, key
 
@@ -186,21 +193,35 @@ class AdditiveBiasScheme(PositionScheme):
 
 
 class T5BiasScheme(AdditiveBiasScheme):
-    """Raffel et al. 2020: a learned scalar per (distance bucket, head), one table for all layers."""
+    """Raffel et al. 2020: a learned scalar per (distance bucket, head), one table for all layers; with
+    ``relative_attention_per_layer`` one table per layer instead (UMT5, Chung et al. 2023), each a scheme of one
+    table in ``layers``, whose terms ``terms`` computes one layer at a time."""
 
     compact_form = "distance"
 
+    # A per-layer table is "layers.{i}.relative_attention_bias.weight": the same field sizes it
     parameter_fields = (
         (r"relative_attention_bias\.weight", (("relative_attention_num_buckets",), ("num_attention_heads",))),
     )
 
-    def __init__(self, config: RelPosConfig):
+    def __init__(self, config: RelPosConfig, *, one_table: bool = False):
         super().__init__(config)
         self.bidirectional = not config.is_decoder
         self.max_distance = config.relative_attention_max_distance
+        self.layers = None
+        if config.relative_attention_per_layer and not one_table:
+            self.layers = nn.ModuleList(T5BiasScheme(config, one_table=True) for _ in range(config.num_hidden_layers))
+            return
         self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
         # Upstream T5's initialisation of the table (T5PreTrainedModel._init_weights, factor 1), not initializer_range.
         self.relative_attention_bias.init_std = config.hidden_size**-0.5
+
+    def terms(self, ctx, device, dtype, layers):
+        if self.layers is None:
+            return super().terms(ctx, device, dtype, layers)
+        if layers != len(self.layers):
+            raise ValueError(f"{len(self.layers)} T5 bias tables for {layers} layers")
+        return (table(ctx, device, dtype) for table in self.layers)  # each computed when its layer comes
 
     def bias(self, ctx, device, dtype):
         return t5_position_bias(

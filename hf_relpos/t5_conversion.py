@@ -22,11 +22,11 @@ from .modeling_relpos import RelPosForConditionalGeneration, RelPosModel
 
 # The upstream classes from_t5 converts, by name (checked against Transformers' own class), and what each becomes:
 # an encoder-decoder (T5 v1.0, v1.1, Flan, ByT5 are model type "t5"; mT5 has v1.1's layout) or an encoder alone.
-SEQ2SEQ_CLASSES = ("T5ForConditionalGeneration", "MT5ForConditionalGeneration")
-ENCODER_CLASSES = ("T5EncoderModel", "MT5EncoderModel")
+# UMT5 keeps a bias table in every layer: relative_attention_per_layer.
+SEQ2SEQ_CLASSES = ("T5ForConditionalGeneration", "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration")
+ENCODER_CLASSES = ("T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel")
 # Refused by name, in one line: never converted wrongly.
 REFUSED_CLASSES = {
-    "UMT5": "UMT5 keeps a relative-bias table in every layer, which the conversion does not map yet",
     "LongT5": "LongT5's local and transient-global attention is another attention function than T5's",
 }
 
@@ -60,10 +60,18 @@ def t5_config_to_relpos(t5_config, *, tied: bool, encoder_only: bool = False) ->
         is_decoder=False,
         num_decoder_layers=t5_config.num_decoder_layers,
         tie_word_embeddings=tied,
-        scale_decoder_outputs=bool(getattr(t5_config, "scale_decoder_outputs", False)),  # mT5 never rescales
+        scale_decoder_outputs=_scales_decoder_outputs(t5_config),
         eos_token_id=t5_config.eos_token_id,
         decoder_start_token_id=t5_config.pad_token_id if start is None else start,
     )
+
+
+def _scales_decoder_outputs(t5_config) -> bool:
+    """Whether upstream multiplies the decoder's output by ``d_model**-0.5`` before the output layer: T5 v1.0's
+    ``scale_decoder_outputs``; mT5 never does; UMT5 before Transformers 5.25 has no such field and always does
+    (its config forces ``tie_word_embeddings``, which its forward reads)."""
+    fallback = t5_config.model_type == "umt5" and t5_config.tie_word_embeddings
+    return bool(getattr(t5_config, "scale_decoder_outputs", fallback))
 
 
 def _t5_fields(t5_config) -> dict:
@@ -78,11 +86,13 @@ def _t5_fields(t5_config) -> dict:
         num_hidden_layers=t5_config.num_layers,
         relative_attention_num_buckets=t5_config.relative_attention_num_buckets,
         relative_attention_max_distance=t5_config.relative_attention_max_distance,
+        relative_attention_per_layer=t5_config.model_type == "umt5",  # every UMT5 layer has its own table
         feed_forward_proj=t5_config.feed_forward_proj,
         rms_norm_eps=t5_config.layer_norm_epsilon,
         hidden_dropout=float(t5_config.dropout_rate),
         attention_dropout=float(t5_config.dropout_rate),
         initializer_range=t5_config.initializer_factor * 0.02,
+        initialization="t5",  # a weight the model starts afresh (a resized token table) starts as T5's would
         pad_token_id=t5_config.pad_token_id,
         attention_bias=False,
         attention_scale=1.0,  # T5 attends without 1/sqrt(d_kv)
@@ -107,13 +117,14 @@ def _t5_state_dict_to_relpos(state: dict, config: RelPosConfig) -> dict:
 def _t5_stack(state: dict, config: RelPosConfig, stack: str, layers: int, prefix: str) -> dict:
     """One upstream stack (``encoder`` or ``decoder``) as hf_relpos names under ``prefix``."""
     _, gated = config.mlp_activation
-    out = {
-        f"{prefix}position.relative_attention_bias.weight":
-            state[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"],
-        f"{prefix}norm.weight": state[f"{stack}.final_layer_norm.weight"],
-    }
+    out = {f"{prefix}norm.weight": state[f"{stack}.final_layer_norm.weight"]}
+    table = "SelfAttention.relative_attention_bias.weight"
+    if not config.relative_attention_per_layer:  # T5's one table, in its first layer
+        out[f"{prefix}position.relative_attention_bias.weight"] = state[f"{stack}.block.0.layer.0.{table}"]
     for i in range(layers):
         block, layer = f"{stack}.block.{i}.layer", f"{prefix}layers.{i}"
+        if config.relative_attention_per_layer:  # UMT5: one in each layer
+            out[f"{prefix}position.layers.{i}.relative_attention_bias.weight"] = state[f"{block}.0.{table}"]
         attentions = [("0.SelfAttention", "self_attn")]
         if stack == "decoder":
             attentions.append(("1.EncDecAttention", "encoder_attn"))
@@ -139,7 +150,8 @@ def from_t5(model, *, check: bool = True):
     ``MT5ForConditionalGeneration``, ``RelPosModel`` (the same ``last_hidden_state``; ``AutoModel`` loads it) for
     ``T5EncoderModel`` and ``MT5EncoderModel``. Every weight is copied as it is, and T5's attention without
     ``1/sqrt(d_kv)`` is the converted config's ``attention_scale=1.0``: the same parameters, gradients and
-    optimiser steps. Any other class (UMT5, LongT5 among them) is a one-line ``ValueError``.
+    optimiser steps. UMT5ForConditionalGeneration and UMT5EncoderModel convert the same way, with a bias table per
+    layer (``relative_attention_per_layer``). Any other class (LongT5 among them) is a one-line ``ValueError``.
 
     With ``check`` (the default) the conversion is verified before it is returned: ``check_t5_parity`` runs both
     models in fp32 and eval mode on random padded inputs and raises ``ValueError`` naming what differs (logits,
@@ -176,13 +188,16 @@ def _convert(model):
     return converted.train(model.training)
 
 
-# The three upstream kinds the conversion is checked on (tests, ``hf-relpos validate-t5``): T5 v1.0, v1.1 / Flan,
-# and a shape whose attention width ``num_heads * d_kv`` is not ``d_model``, with fewer decoder than encoder layers.
+# The upstream kinds the conversion is checked on (tests, ``hf-relpos validate-t5``): T5 v1.0, v1.1 / Flan, a shape
+# whose attention width ``num_heads * d_kv`` is not ``d_model`` with fewer decoder than encoder layers, and ByT5's.
 T5_KINDS = {
     "v1.0 (ReLU, tied output rescaled)": dict(feed_forward_proj="relu", tie=True),
     "v1.1/Flan (gated GELU, untied)": dict(feed_forward_proj="gated-gelu", tie=False),
     "num_heads*d_kv != d_model": dict(feed_forward_proj="gated-gelu", tie=False, num_heads=3, d_kv=6,
                                       num_decoder_layers=1),
+    # ByT5: a byte vocabulary (3 special ids + 256 bytes + 125 sentinels) and an encoder 3x deeper than its decoder
+    "ByT5 (bytes, deep encoder)": dict(feed_forward_proj="gated-gelu", tie=False, vocab_size=384, num_layers=3,
+                                       num_decoder_layers=1),
 }
 
 
@@ -196,11 +211,13 @@ def random_t5(kind: str, seed: int = 0, upstream_class: str = "T5ForConditionalG
     tie = spec.pop("tie")
     spec = {"num_heads": 4, "d_kv": 8, **spec}
     torch.manual_seed(seed)
-    config_class = transformers.MT5Config if upstream_class.startswith("MT5") else transformers.T5Config
+    family = next((f for f in ("UMT5", "MT5") if upstream_class.startswith(f)), "T5")
+    config_class = getattr(transformers, f"{family}Config")
+    sizes = dict(vocab_size=99, d_model=32, d_ff=64, num_layers=2, relative_attention_num_buckets=8,
+                 relative_attention_max_distance=20)
     config = config_class(
-        vocab_size=99, d_model=32, d_ff=64, num_layers=2, relative_attention_num_buckets=8,
-        relative_attention_max_distance=20, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-        dropout_rate=0.0, tie_word_embeddings=tie, **spec,  # upstream: tie_word_embeddings=False -> no rescaling
+        **{**sizes, **spec}, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        dropout_rate=0.0, tie_word_embeddings=tie,  # upstream: tie_word_embeddings=False -> no rescaling
     )
     model = getattr(transformers, upstream_class)(config).eval()
     with torch.no_grad():

@@ -185,6 +185,8 @@ SEQ2SEQ_FIELDS = dict(
     NON_DEFAULT_FIELDS, is_encoder_decoder=True, position_encoding="t5_bias", mem_len=0, cutoffs=None, div_val=1,
     embedding_size=None, tie_projs=None, norm_position="pre", dropout_placement="t5", same_length=False, ext_len=0,
     attention_scale=1.0,  # T5's (Transformer-XL, the decoder's scheme above, refuses the field)
+    relative_attention_per_layer=True,  # UMT5's (the T5 bias only)
+    initialization="t5",
 )
 
 
@@ -232,7 +234,7 @@ def _same_dict(a, b):
 POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "max_position_embeddings", "fire_mlp_width")
 BOOLS = ("is_decoder", "shaw_value_embeddings", "attention_bias", "use_cache", "tie_word_embeddings",
-         "is_encoder_decoder", "scale_decoder_outputs", "final_norm", "same_length")
+         "is_encoder_decoder", "scale_decoder_outputs", "final_norm", "same_length", "relative_attention_per_layer")
 # Fields whose None means "derived from the others" (the README): the config holds the derived value.
 DERIVED = ("head_dim", "num_decoder_layers", "decoder_start_token_id")
 POSITIVE_FLOATS = ("log_decay_scale", "fire_threshold", "rope_theta", "rms_norm_eps", "initializer_range")
@@ -279,6 +281,7 @@ VALID = {
     "norm_position": st.sampled_from(["pre", "post"]),
     "mlp_bias": st.one_of(st.none(), st.booleans()),
     "dropout_placement": st.sampled_from([None, "residual", "t5", "transfo_xl"]),
+    "initialization": st.sampled_from(["default", "t5", "xavier", None]),
     "ext_len": st.integers(0, 8),
 }
 FIELDS = tuple(RelPosConfig.__annotations__)
@@ -358,6 +361,8 @@ def config_faults(v: dict) -> set:
     for name in PROBABILITIES:
         if not (_is_real(v[name]) and 0.0 <= v[name] < 1.0):
             bad.add(name)
+    if v["relative_attention_per_layer"] is True and v["position_encoding"] != "t5_bias":
+        bad.add("relative_attention_per_layer")
     scale = v["attention_scale"]  # None (1/sqrt(head_dim)) or a finite float > 0; Shaw and Transformer-XL: None only
     if scale is not None and (not (_is_real(scale) and math.isfinite(scale) and scale > 0)
                               or v["position_encoding"] in ("shaw", "transformer_xl")):
@@ -412,6 +417,8 @@ def adaptive_and_norm_faults(v: dict) -> set:
         bad.add("norm_position")
     if v["mlp_bias"] is not None and not isinstance(v["mlp_bias"], bool):
         bad.add("mlp_bias")
+    if v["initialization"] not in ("default", "t5"):
+        bad.add("initialization")
     if v["dropout_placement"] not in (None, "residual", "t5", "transfo_xl"):
         bad.add("dropout_placement")
     elif v["dropout_placement"] == "transfo_xl" and v["position_encoding"] != "transformer_xl":

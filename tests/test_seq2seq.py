@@ -147,9 +147,8 @@ def test_from_t5_refuses_other_models():
         hf_relpos.from_t5(model_for())
 
 
-@pytest.mark.parametrize("family, reason", [("UMT5", "a relative-bias table in every layer"),
-                                            ("LongT5", "local and transient-global attention")])
-def test_from_t5_refuses_umt5_and_longt5_by_name_in_one_line(family, reason):
+@pytest.mark.parametrize("family, reason", [("LongT5", "local and transient-global attention")])
+def test_from_t5_refuses_longt5_by_name_in_one_line(family, reason):
     import transformers
 
     config = getattr(transformers, f"{family}Config")(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1,
@@ -161,15 +160,17 @@ def test_from_t5_refuses_umt5_and_longt5_by_name_in_one_line(family, reason):
         assert "\n" not in str(error.value)
 
 
-T5_FAMILY = ["T5ForConditionalGeneration", "MT5ForConditionalGeneration", "T5EncoderModel", "MT5EncoderModel"]
+T5_FAMILY = ["T5ForConditionalGeneration", "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
+             "T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel"]
 
 
 @pytest.mark.parametrize("kind", list(T5_KINDS))
 @pytest.mark.parametrize("upstream_class", T5_FAMILY)
 def test_the_t5_family_converts_with_upstreams_outputs_and_reloads_through_the_auto_classes(
         upstream_class, kind, tmp_path):
-    """mT5 (v1.1's layout, no output rescaling even when tied) and the encoder-only classes: the same logits and
-    tokens, or the same last_hidden_state at every real token; saved and reloaded with the Auto classes, the same."""
+    """mT5 (v1.1's layout, no output rescaling even when tied), UMT5 (a bias table per layer, each re-randomised so
+    that a table in the wrong layer shows) and the encoder-only classes: the same logits and tokens, or the same
+    last_hidden_state at every real token; saved and reloaded with the Auto classes, the same."""
     from transformers import AutoModel, AutoModelForSeq2SeqLM
 
     upstream = random_t5(kind, seed=3, upstream_class=upstream_class)
@@ -177,8 +178,10 @@ def test_the_t5_family_converts_with_upstreams_outputs_and_reloads_through_the_a
     encoder_only = upstream_class.endswith("EncoderModel")
     assert type(converted) is (RelPosModel if encoder_only else RelPosForConditionalGeneration)
     assert converted.config.attention_scale == 1.0 and converted.config.is_decoder is False
+    assert converted.config.relative_attention_per_layer is upstream_class.startswith("UMT5")
     result = t5_parity(upstream, converted, seed=4)
-    assert result["max_abs_logit"] > 0.3 and result["max_abs_logit_diff"] <= 1e-5, result
+    # large enough for a misplaced weight to show (UMT5 on Transformers < 5.25 rescales even an untied output)
+    assert result["max_abs_logit"] > 0.1 and result["max_abs_logit_diff"] <= 1e-5, result
     assert result["greedy_identical"] and result["beam_identical"], result
     converted.save_pretrained(tmp_path / "converted")
     auto = AutoModel if encoder_only else AutoModelForSeq2SeqLM
@@ -507,8 +510,9 @@ def test_convert_t5_command_writes_a_folder_with_upstreams_logits(tmp_path, caps
         assert len(err) == 1 and "encoder-decoder" in err[0], err
 
 
-@pytest.mark.parametrize("upstream_class", ["MT5ForConditionalGeneration", "T5EncoderModel", "MT5EncoderModel"])
-def test_convert_t5_command_converts_mt5_and_encoder_folders(upstream_class, tmp_path, capsys):
+@pytest.mark.parametrize("upstream_class", ["MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
+                                            "T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel"])
+def test_convert_t5_command_converts_mt5_umt5_and_encoder_folders(upstream_class, tmp_path, capsys):
     """config.json's model type and architectures pick the class; the folder reloads through the Auto classes with
     the source's outputs, and its card names the source class."""
     from transformers import AutoModel, AutoModelForSeq2SeqLM
@@ -536,9 +540,8 @@ def test_convert_t5_command_converts_mt5_and_encoder_folders(upstream_class, tmp
 
 
 @pytest.mark.parametrize("model_type, reason", [("longt5", "local and transient-global attention"),
-                                                ("umt5", "a relative-bias table in every layer"),
                                                 ("bart", "converts 't5'")])
-def test_convert_t5_command_refuses_longt5_umt5_and_others_in_one_line(model_type, reason, tmp_path, capsys):
+def test_convert_t5_command_refuses_longt5_and_others_in_one_line(model_type, reason, tmp_path, capsys):
     import json
 
     (tmp_path / "src").mkdir()
@@ -684,7 +687,7 @@ def test_from_t5_of_a_float16_upstream_stays_finite(tmp_path):
     assert (got - reference).abs().max() < 0.05
 
 
-@pytest.mark.parametrize("upstream_class", ["T5ForConditionalGeneration", "T5EncoderModel"])
+@pytest.mark.parametrize("upstream_class", ["T5ForConditionalGeneration", "T5EncoderModel", "UMT5ForConditionalGeneration"])
 def test_from_t5_gives_every_parameter_upstreams_gradient(upstream_class):
     """The same tensors, so the same gradients: every upstream parameter's gradient equals its converted one's
     (an encoder alone: of a weighted sum of its last_hidden_state at the real tokens)."""
@@ -693,7 +696,7 @@ def test_from_t5_gives_every_parameter_upstreams_gradient(upstream_class):
     inputs = _train_inputs()
     for model in (upstream, converted):
         model.zero_grad()
-        if upstream_class == "T5EncoderModel":
+        if upstream_class.endswith("EncoderModel"):
             hidden = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
             weights = torch.linspace(-1, 1, hidden.shape[-1])
             ((hidden * weights).sum(-1) * inputs["attention_mask"]).sum().backward()
@@ -709,7 +712,8 @@ def test_from_t5_gives_every_parameter_upstreams_gradient(upstream_class):
         torch.testing.assert_close(got / scale, grad / scale, rtol=0, atol=1e-5, msg=ours)
 
 
-@pytest.mark.parametrize("upstream_class", ["T5ForConditionalGeneration", "MT5ForConditionalGeneration"])
+@pytest.mark.parametrize("upstream_class", ["T5ForConditionalGeneration", "MT5ForConditionalGeneration",
+                                            "UMT5ForConditionalGeneration"])
 @pytest.mark.parametrize("kind", ["v1.0 (ReLU, tied output rescaled)", "v1.1/Flan (gated GELU, untied)"])
 def test_from_t5_fine_tunes_as_upstream(kind, upstream_class):
     """20 AdamW steps (lr 1e-3) on the same batch: the converted model's loss stays upstream's (within 1e-3
@@ -730,5 +734,5 @@ def test_from_t5_fine_tunes_as_upstream(kind, upstream_class):
             optimizer.step()
         with torch.no_grad():
             losses.append(model(**inputs).loss.item())
-    assert losses[0] < 0.9 * first, (first, losses)  # the steps moved the model
+    assert losses[0] < 0.95 * first, (first, losses)  # the steps moved the model
     assert abs(losses[1] - losses[0]) <= 1e-3 * abs(losses[0]), losses

@@ -100,14 +100,14 @@ def convert_t5(src_folder: str, out_folder: str, *, overwrite: bool = False) -> 
     # fail on the first field of another type (a StrictDataclassFieldValidationError)
     raw = read_json_object(src / "config.json")
     model_type, architectures = raw.get("model_type"), raw.get("architectures")
-    families = {"t5": "T5", "mt5": "MT5"}
-    refused = {"umt5": "UMT5", "longt5": "LongT5"}
+    families = {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}
+    refused = {"longt5": "LongT5"}
     if model_type in refused:
         raise UserError(f"SRC_FOLDER {str(src)!r} holds a {model_type!r} model, which convert-t5 does not convert: "
                         f"{REFUSED_CLASSES[refused[model_type]]}")
     if model_type not in families:
         raise UserError(f"SRC_FOLDER {str(src)!r} holds a {model_type!r} model; convert-t5 converts 't5' (T5, Flan-T5, "
-                        "ByT5) and 'mt5' models")
+                        "ByT5), 'mt5' and 'umt5' models")
     family = families[model_type]
     weights = [p for p in src.glob("*.safetensors") if p.is_file()]
     if isinstance(architectures, list) and architectures:
