@@ -286,6 +286,16 @@ def _add_experiment_commands(command) -> None:
     p.add_argument("--gate", type=accuracy_fraction, default=0.95,
                    help="best validation exact match (0-1) a run needs to be reported; below it: not learned")
     p.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model size")
+    p.add_argument("--position-lr-scale", type=positive_float, default=1.0,
+                   help="the position parameters' learning rate (the scheme's tables, per-layer position embeddings, "
+                        "gates) as a multiple of each run's")
+    p.add_argument("--position-init-scale", type=positive_float, default=1.0,
+                   help="multiply the position parameters by this once initialised (a bias table started smaller)")
+    p.add_argument("--layers", type=positive_int, default=None, help="layers (default: the preset's)")
+    p.add_argument("--attention-scale", type=positive_float, default=None,
+                   help="the factor of q.k in attention (default: 1/sqrt(head_dim); T5's: 1.0)")
+    p.add_argument("--initialization", choices=("default", "t5"), default="default",
+                   help="how weights start: default (N(0, 0.02)) or t5 (T5's, its tied output layer rescaled as T5 v1.0)")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="runs trained at once, one thread each (default: the CPU cores available)")
     p.add_argument("--quick", action="store_true",

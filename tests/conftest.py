@@ -83,7 +83,7 @@ TRANSFORMERS_DEPENDENT = {
     "test_inspect",
     "test_integration", "test_lengthgen", "test_loading_safety", "test_memory", "test_model_card", "test_modeling",
     "test_modeling_fuzz", "test_nothing_lost", "test_position_context", "test_position_schemes", "test_reliability",
-    "test_seq2seq", "test_serve", "test_t5_init", "test_t5_per_layer", "test_training_limits", "test_transformers_behaviour",
+    "test_position_lr", "test_seq2seq", "test_serve", "test_t5_init", "test_t5_per_layer", "test_training_limits", "test_transformers_behaviour",
     "test_transfo_xl_conversion", "test_transfo_xl_vocab", "test_triton_backend",
 }
 # The rest, run on the development pin and the newest: the math and its CPU kernels against float64 oracles

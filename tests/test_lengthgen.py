@@ -14,12 +14,15 @@ import torch
 
 import hf_relpos_cli
 import hf_relpos.commands.lengthgen as command
+from hf_relpos.commands.errors import UserError
 from hf_relpos import lengthgen as lg
 
 TINY = ["--steps", "3", "--train-length", "3", "--batch-size", "4", "--eval-every", "2", "--preset", "micro",
         "--items", "8", "--jobs", "1", "--quiet"]
 SETTINGS = dict(train_length=3, steps=3, batch_size=4, preset="micro", items=8, vocabulary=lg.vocab_size(8),
-                eval_every=2, stop_at=None, warmup=0.05, validation_per_length=4, test_per_length=3)
+                eval_every=2, stop_at=None, warmup=0.05, validation_per_length=4, test_per_length=3,
+                position_lr_scale=1.0, position_init_scale=1.0, layers=None, attention_scale=None,
+                initialization="default")
 
 
 def items(instance):
@@ -634,3 +637,33 @@ def test_every_panel_of_the_plot_spans_the_tested_lengths(tmp_path, monkeypatch)
     meta = {"tasks": ["copy", "reverse"], "schemes": ["alibi"], "train_length": 10, "gate": 0.95}
     command.plot_lengthgen([row], meta, tmp_path / "plot.png")
     assert shown == {"copy": (0.5, 20.5), "reverse": (0.5, 20.5)}
+
+
+def test_a_record_from_before_the_setup_options_reads_as_made_with_their_defaults(tmp_path):
+    """Records written before --position-lr-scale, --position-init-scale, --layers, --attention-scale and
+    --initialization existed were made with their defaults: a resume reuses them, and refuses them for a run that
+    gives another value."""
+    old = {k: v for k, v in SETTINGS.items() if k not in command.SETTING_DEFAULTS}
+    record = dict(_record("copy", "nope", 0, [1, 1, 1, 1], 1.0), settings=old)
+    path = command.record_path(tmp_path, "copy", "nope", 0, 1e-3)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(record))
+    assert command._read_record(path, SETTINGS, resume=True) == record
+    command._check_folder(tmp_path, SETTINGS)
+    for name, value in (("position_lr_scale", 0.03), ("attention_scale", 1.0), ("initialization", "t5"),
+                        ("layers", 4)):
+        with pytest.raises(UserError, match=rf"was run with {name} .*, this command gives {name} {value!r}"):
+            command._read_record(path, dict(SETTINGS, **{name: value}), resume=True)
+        with pytest.raises(UserError, match=rf"{name}"):
+            command._check_folder(tmp_path, dict(SETTINGS, **{name: value}))
+
+
+def test_the_setup_options_shape_the_model():
+    plain = command.build_model("copy", "t5_bias", "micro", 3, items=8)
+    t5 = command.build_model("copy", "t5_bias", "micro", 3, items=8, layers=4, attention_scale=1.0,
+                             initialization="t5")
+    assert plain.config.num_hidden_layers == 2 and t5.config.num_hidden_layers == 4
+    assert plain.config.attention_scale is None and t5.config.attention_scale == 1.0
+    assert plain.config.initialization == "default" and not plain.config.scale_decoder_outputs
+    assert t5.config.initialization == "t5" and t5.config.scale_decoder_outputs  # T5 v1.0's tied output
+    assert abs(t5.model.embed_tokens.weight.std().item() - 1.0) < 0.2

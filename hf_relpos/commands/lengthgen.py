@@ -43,7 +43,11 @@ MAX_TRAIN_LENGTH = 200  # instances of 2L items stay a few hundred tokens
 # What a run's record must share with the command that reuses it (--resume): everything that shapes a run but its
 # seed and learning rate, which name its record.
 RUN_SETTINGS = ("train_length", "steps", "batch_size", "preset", "items", "vocabulary", "eval_every", "stop_at",
-                "warmup", "validation_per_length", "test_per_length")
+                "warmup", "validation_per_length", "test_per_length", "position_lr_scale", "position_init_scale",
+                "layers", "attention_scale", "initialization")
+# Settings added since the first records: a record without one was made with this value.
+SETTING_DEFAULTS = {"position_lr_scale": 1.0, "position_init_scale": 1.0, "layers": None, "attention_scale": None,
+                    "initialization": "default"}
 
 
 @dataclasses.dataclass
@@ -64,6 +68,11 @@ class LengthgenOptions:
     gate: float = 0.95
     items: int = lg.ITEMS
     preset: str = "tiny"
+    position_lr_scale: float = 1.0  # the position parameters' learning rate as a multiple of each run's
+    position_init_scale: float = 1.0  # the position parameters multiplied by this once initialised
+    layers: Optional[int] = None  # None: the preset's num_hidden_layers
+    attention_scale: Optional[float] = None  # RelPosConfig.attention_scale (None: 1/sqrt(head_dim); T5's: 1.0)
+    initialization: str = "default"  # RelPosConfig.initialization ("t5": T5's, with its tied output rescaled)
     jobs: Optional[int] = None  # runs trained at once, one thread each (None: the CPU cores this process may use)
     quick: bool = False
     overwrite: bool = False
@@ -146,7 +155,15 @@ def _settings(options: LengthgenOptions) -> dict:
     return {"train_length": options.train_length, "steps": options.steps, "batch_size": options.batch_size,
             "preset": options.preset, "items": options.items, "vocabulary": lg.vocab_size(options.items),
             "eval_every": options.eval_every, "stop_at": options.stop_at, "warmup": WARMUP,
-            "validation_per_length": VALIDATION_PER_LENGTH, "test_per_length": TEST_PER_LENGTH}
+            "validation_per_length": VALIDATION_PER_LENGTH, "test_per_length": TEST_PER_LENGTH,
+            "position_lr_scale": options.position_lr_scale, "position_init_scale": options.position_init_scale,
+            "layers": options.layers, "attention_scale": options.attention_scale,
+            "initialization": options.initialization}
+
+
+def _recorded(settings: dict, name: str):
+    """A record's setting (``SETTING_DEFAULTS``' value where the record predates it; KeyError where it lacks it)."""
+    return settings[name] if name in settings or name not in SETTING_DEFAULTS else SETTING_DEFAULTS[name]
 
 
 def record_path(out: Path, task: str, scheme: str, seed: int, lr: float) -> Path:
@@ -164,6 +181,7 @@ def _check_folder(out: Path, settings: dict, flag: str = "--resume") -> None:
             continue  # cut short: trained again if this command needs it
         if not isinstance(recorded, dict):
             continue  # not a record of this command (edited by hand): never read as one
+        recorded = {**SETTING_DEFAULTS, **recorded}  # a record from before a setting was added: its default
         changed = [name for name in RUN_SETTINGS if recorded.get(name) != settings[name]]
         if changed:
             was = ", ".join(f"{name} {recorded.get(name)!r}" for name in changed)
@@ -180,7 +198,7 @@ def _read_record(path: Path, settings: dict, resume: bool) -> Optional[dict]:
         return None
     try:
         record = json.loads(path.read_text())
-        recorded = {name: record["settings"][name] for name in RUN_SETTINGS}
+        recorded = {name: _recorded(record["settings"], name) for name in RUN_SETTINGS}
         named = (record["task"], record["scheme"], record["seed"], record["learning_rate"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -398,17 +416,24 @@ def collate(instances) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def build_model(task: str, scheme: str, preset: str, train_length: int, items: int = lg.ITEMS):
-    """A RelPosForCausalLM of the preset's size over the tasks' vocabulary; absolute position tables cover the longest
-    test instance (2L items), so their positions past training are there, untrained, as in the paper."""
+def build_model(task: str, scheme: str, preset: str, train_length: int, items: int = lg.ITEMS,
+                layers: Optional[int] = None, attention_scale: Optional[float] = None,
+                initialization: str = "default"):
+    """A RelPosForCausalLM of the preset's size (``layers`` of them when given) over the tasks' vocabulary; absolute
+    position tables cover the longest test instance (2L items), so their positions past training are there,
+    untrained, as in the paper. ``initialization="t5"`` also rescales the tied output layer's input by
+    ``hidden_size**-0.5`` as T5 v1.0 (and the paper's T5-based decoder) does: its token table starts at std 1."""
     from ..configuration_relpos import RelPosConfig
     from ..modeling_relpos import RelPosForCausalLM
 
-    extra = {}
+    extra = {"attention_scale": attention_scale, "initialization": initialization,
+             "scale_decoder_outputs": initialization == "t5"}
+    if layers is not None:
+        extra["num_hidden_layers"] = layers
     if scheme in ("learned", "sinusoidal"):
         extra["max_position_embeddings"] = lg.max_tokens(task, 2 * train_length)
     config = RelPosConfig(position_encoding=scheme, vocab_size=lg.vocab_size(items), pad_token_id=lg.PAD_ID,
-                          eos_token_id=lg.EOS_ID, bos_token_id=None, **PRESETS[preset], **extra)
+                          eos_token_id=lg.EOS_ID, bos_token_id=None, **{**PRESETS[preset], **extra})
     return RelPosForCausalLM(config)
 
 
@@ -468,13 +493,18 @@ def run_one(task: str, scheme: str, seed: int, lr: float, settings: dict) -> dic
     from transformers import Trainer, TrainingArguments, set_seed
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+    from ..position_lr import position_lr_trainer, scale_position_init
+
     started = time.process_time()
     length, steps, items = settings["train_length"], settings["steps"], settings["items"]
     validation = lg.validation_instances(task, length, settings["validation_per_length"], items)
     test = lg.test_instances(task, 2 * length, settings["test_per_length"], items=items)
     skip = lg.held_out(task, validation + test, items)
     set_seed(seed)
-    model = build_model(task, scheme, settings["preset"], length, items)
+    model = build_model(task, scheme, settings["preset"], length, items, layers=settings.get("layers"),
+                        attention_scale=settings.get("attention_scale"),
+                        initialization=settings.get("initialization", "default"))
+    scale_position_init(model, settings.get("position_init_scale", 1.0))
     selection = _selection(validation, settings["eval_every"], settings["stop_at"])
     with tempfile.TemporaryDirectory(prefix="hf-relpos-lengthgen-") as scratch:  # Trainer wants a folder; nothing kept
         args = TrainingArguments(
@@ -483,7 +513,8 @@ def run_one(task: str, scheme: str, seed: int, lr: float, settings: dict) -> dic
             weight_decay=0.01, logging_steps=min(steps, settings["eval_every"]), save_strategy="no", report_to=[],
             seed=seed, disable_tqdm=True, dataloader_pin_memory=False, use_cpu=True,
         )
-        trainer = Trainer(model=model, args=args, data_collator=collate, callbacks=[selection],
+        trainer_class = position_lr_trainer(Trainer, settings.get("position_lr_scale", 1.0))
+        trainer = trainer_class(model=model, args=args, data_collator=collate, callbacks=[selection],
                           train_dataset=_Answers(task, seed, settings, skip))
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)

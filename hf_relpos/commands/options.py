@@ -37,6 +37,11 @@ class TrainOptions:
     batch_size: int = dataclasses.field(default=16, metadata=flag("positive_int", "sequences per optimizer step"))
     learning_rate: float = dataclasses.field(default=2e-3, metadata=flag(
         "positive_float", "peak AdamW learning rate (cosine schedule)"))
+    position_lr_scale: float = dataclasses.field(default=1.0, metadata=flag(
+        "positive_float", "the position parameters' learning rate (the scheme's tables, per-layer position "
+        "embeddings, gates) as a multiple of --learning-rate"))
+    position_init_scale: float = dataclasses.field(default=1.0, metadata=flag(
+        "positive_float", "multiply the position parameters by this once initialised (a bias table started smaller)"))
     vocab_size: int = dataclasses.field(default=2048, metadata=flag(
         "vocab_size", "BPE vocabulary trained on the corpus (>= {MIN_VOCAB})"))
     # Transformer-XL's memory (None: the sequence length)

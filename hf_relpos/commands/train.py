@@ -35,7 +35,7 @@ PRESETS = {
 }
 # The options that shape the model and its data, recorded in each checkpoint: a resume must give the same ones.
 RUN_OPTIONS = ("position_encoding", "preset", "seq_len", "vocab_size", "mem_len", "train_file", "corpus", "seed",
-               "batch_size", "learning_rate")
+               "batch_size", "learning_rate", "position_lr_scale", "position_init_scale")
 # Recorded too, and taken from the checkpoint by a resume that does not give them (a resume may train longer;
 # the --train-file limit goes with the files it admitted).
 RECORDED_OPTIONS = RUN_OPTIONS + ("steps", "eval_tokens", "max_train_bytes")
@@ -358,6 +358,7 @@ def _train(options: TrainOptions, out: Path, resume_from: Optional[Path]) -> dic
 def _data_and_model(options: TrainOptions, resume_from: Optional[Path]):
     """The tokenizer, the token streams of each split, the corpus's description and a new model sized for them."""
     from ..modeling_relpos import RelPosForCausalLM
+    from ..position_lr import scale_position_init
 
     tokenizer, streams, corpus_description = load_data(options)
     shortest = min(("train", "validation", "test"), key=lambda part: streams[part].numel())
@@ -374,7 +375,9 @@ def _data_and_model(options: TrainOptions, resume_from: Optional[Path]):
                 f"--resume: {resume_from} holds a model of {saved_vocab} tokens, but this command's data gives a "
                 f"vocabulary of {config.vocab_size}: the training text changed since; resume with the original text"
             )
-    return tokenizer, streams, corpus_description, RelPosForCausalLM(config)
+    model = RelPosForCausalLM(config)
+    scale_position_init(model, options.position_init_scale)  # a resume loads its checkpoint's weights over these
+    return tokenizer, streams, corpus_description, model
 
 
 def _training_arguments(options: TrainOptions, out: Path, with_memory: bool):
@@ -420,6 +423,7 @@ def _trainer(options: TrainOptions, out: Path, model, streams: dict, with_memory
 
     from ..data import Chunks
     from ..memory import MemoryTrainer, OrderedSegments
+    from ..position_lr import position_lr_trainer
 
     if with_memory:
         train_set = OrderedSegments(streams["train"], options.batch_size, options.seq_len)
@@ -435,6 +439,7 @@ def _trainer(options: TrainOptions, out: Path, model, streams: dict, with_memory
         i and options.argv[i - 1] == "--resume" and not a.startswith("-")))]  # --resume and its CHECKPOINT
     afresh_hint = (f" and train afresh with: hf-relpos {shlex.join(afresh + ['--overwrite'] * ('--overwrite' not in afresh))}"
                    " (no checkpoint was complete yet)")
+    trainer_class = position_lr_trainer(trainer_class, options.position_lr_scale)
     trainer_class = _whole_checkpoints(trainer_class, lambda: book.record(), hint, afresh_hint)
     trainer = trainer_class(model=model, args=training_args, train_dataset=train_set, eval_dataset=eval_set)
     trainer.remove_callback(PrinterCallback)
