@@ -667,3 +667,31 @@ def test_the_setup_options_shape_the_model():
     assert plain.config.initialization == "default" and not plain.config.scale_decoder_outputs
     assert t5.config.initialization == "t5" and t5.config.scale_decoder_outputs  # T5 v1.0's tied output
     assert abs(t5.model.embed_tokens.weight.std().item() - 1.0) < 0.2
+
+
+def test_failures_are_classified_from_the_first_wrong_token():
+    """A model whose argmax is scripted: exact, an end-of-sequence too early, an item where the end is due, another
+    item; and run_one's record counts them by length and keeps the best state's T5 table."""
+    from types import SimpleNamespace
+
+    instances = [lg.Instance(ids=(5, 6, lg.SEP_ID, 7, 8, lg.EOS_ID), answer_start=3, length=2) for _ in range(4)]
+    gold = torch.tensor(instances[0].ids)
+    scripted = torch.stack([gold.roll(-1)] * 4)  # position i predicts token i+1: every answer right
+    scripted[1, 3] = lg.EOS_ID  # after the first answer item: the end, where 8 is due
+    scripted[2, 4] = 7  # after the last item: 7 again, where the end is due
+    scripted[3, 2] = 9  # the first answer item wrong
+    vocab = max(lg.vocab_size(8), 10)
+
+    class Scripted(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(scripted[:, : input_ids.shape[1]], vocab).float())
+
+    assert command.failure_kinds(Scripted(), instances) == [None, "stops early", "does not stop", "wrong item"]
+    assert command.exact_match(Scripted(), instances)[0] == [True, False, False, False]
+    record = command.run_one("copy", "t5_bias", 0, 3e-3, SETTINGS)
+    assert set(record["failures_by_length"]) == {str(n) for n in range(1, 7)}
+    for n, kinds in record["failures_by_length"].items():
+        right, total = record["right_by_length"][n]
+        assert sum(kinds.values()) == total - right and set(kinds) == set(command.FAILURE_KINDS)
+    table = record["position_parameters"]["model.position.relative_attention_bias.weight"]
+    assert len(table) == 32 and len(table[0]) == 4  # the preset's buckets x heads

@@ -493,7 +493,7 @@ def run_one(task: str, scheme: str, seed: int, lr: float, settings: dict) -> dic
     from transformers import Trainer, TrainingArguments, set_seed
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from ..position_lr import position_lr_trainer, scale_position_init
+    from ..position_lr import position_lr_trainer, position_parameter_names, scale_position_init
 
     started = time.process_time()
     length, steps, items = settings["train_length"], settings["steps"], settings["items"]
@@ -523,11 +523,16 @@ def run_one(task: str, scheme: str, seed: int, lr: float, settings: dict) -> dic
     model.load_state_dict(selection.state)
     model.eval()
     exact, tokens = exact_match(model, test)
-    counts, token_sums = {}, {}
-    for instance, right, fraction in zip(test, exact, tokens):
+    counts, token_sums, failures = {}, {}, {}
+    for instance, right, fraction, kind in zip(test, exact, tokens, failure_kinds(model, test)):
         r, t = counts.get(instance.length, (0, 0))
         counts[instance.length] = (r + right, t + 1)
         token_sums[instance.length] = token_sums.get(instance.length, 0.0) + fraction
+        kinds = failures.setdefault(str(instance.length), dict.fromkeys(FAILURE_KINDS, 0))
+        if kind is not None:
+            kinds[kind] += 1
+    parameters = {name: model.get_parameter(name).detach().tolist() for name in position_parameter_names(model)
+                  if model.get_parameter(name).numel() <= RECORDED_PARAMETER_SIZE}
     return {
         "task": task, "scheme": scheme, "seed": seed, "learning_rate": lr, "settings": settings,
         "best_accuracy": selection.best, "best_step": selection.best_step,
@@ -535,10 +540,49 @@ def run_one(task: str, scheme: str, seed: int, lr: float, settings: dict) -> dic
         "right_by_length": {str(n): list(c) for n, c in sorted(counts.items())},
         "token_accuracy_by_length": {str(n): token_sums[n] / counts[n][1] for n in sorted(counts)},
         "accuracy": lg.accuracy_by_bucket(counts, length),
+        "failures_by_length": failures,  # how each wrong test instance fails, by its length (FAILURE_KINDS)
+        "position_parameters": parameters,  # of the scored state (those up to RECORDED_PARAMETER_SIZE values)
         "final_train_loss": losses[-1]["loss"] if losses else None,
         "seconds": round(time.process_time() - started, 1),  # this run's CPU time (one thread in a worker)
         "torch": torch.__version__,
     }
+
+
+FAILURE_KINDS = ("stops early", "does not stop", "wrong item")
+
+
+def failure_kinds(model, instances, batch_size: int = 128) -> list:
+    """How greedy decoding fails each instance (None where it is exact), from its first wrong token, as
+    ``exact_match`` reads it (teacher-forced argmax: greedy's first divergence): the end-of-sequence where an item
+    is due ("stops early"), an item where the end-of-sequence is due ("does not stop"), another item ("wrong
+    item")."""
+    import torch
+
+    kinds = []
+    with torch.no_grad():
+        for start in range(0, len(instances), batch_size):
+            chunk = instances[start : start + batch_size]
+            batch = collate(chunk)
+            predicted = model(input_ids=batch["input_ids"], use_cache=False).logits.argmax(-1)
+            for row, instance in enumerate(chunk):
+                begin, end = instance.answer_start, len(instance.ids)
+                gold = batch["input_ids"][row, begin:end]
+                wrong = (predicted[row, begin - 1 : end - 1] != gold).nonzero()
+                if not len(wrong):
+                    kinds.append(None)
+                    continue
+                first = int(wrong[0])
+                if int(gold[first]) == lg.EOS_ID:
+                    kinds.append("does not stop")
+                elif int(predicted[row, begin - 1 + first]) == lg.EOS_ID:
+                    kinds.append("stops early")
+                else:
+                    kinds.append("wrong item")
+    return kinds
+
+
+# A record keeps the best state's position parameters up to this size (T5's table: buckets x heads), for plots.
+RECORDED_PARAMETER_SIZE = 4096
 
 
 def _mean_std(values: list) -> tuple:
