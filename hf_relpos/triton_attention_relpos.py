@@ -546,7 +546,7 @@ def relpos_attention(
                          "use 'sdpa' or 'flex_attention'")
     if q.shape[0] * q.shape[1] > 65535:  # the launch grid's second axis
         raise ValueError(f"batch x heads must be at most 65535 for the Triton kernel, got {q.shape[0] * q.shape[1]}")
-    _check_shapes(q, k, term, values, index, key_valid, documents, past)
+    _check_shapes(q, k, term, values, index, key_valid, documents, past, causal)
     # A term's gradient from half-precision inputs takes the backward's delta from the float32 output (_forward).
     keep32 = q.dtype != torch.float32 and values is not None and values.requires_grad and torch.is_grad_enabled()
     out, _, _ = _attention_op(q, k, v, values, index, key_valid, documents, TERMS[term], float(scale), bool(causal),
@@ -554,7 +554,7 @@ def relpos_attention(
     return out
 
 
-def _check_shapes(q, k, term, values, index, key_valid, documents, past) -> None:
+def _check_shapes(q, k, term, values, index, key_valid, documents, past, causal) -> None:
     """The term's tensors, the masks and ``past`` against q ``[B, H, Q, D]`` and k ``[B, H, K, D]``: one ValueError
     naming the argument (the kernel reads them by these sizes). A CPU index's entries are checked too, in eager calls;
     on a GPU, and traced, the kernel keeps them inside the table instead (a host read would stall the GPU, or break
@@ -578,6 +578,8 @@ def _check_shapes(q, k, term, values, index, key_valid, documents, past) -> None
             raise ValueError(f"{name} must be [batch={batch}, keys={k_length}], got {list(mask.shape)}")
     if isinstance(past, bool) or not isinstance(past, int) or past < 0:
         raise ValueError(f"past must be an int >= 0, got {past!r}")
-    if past + q_length > k_length:
+    # Queries sit at positions past + i among the keys only where a position is read (causality, a term, the query's
+    # document); cross-attention reads none, and its target may be longer than its source.
+    if (causal or term is not None or documents is not None) and past + q_length > k_length:
         raise ValueError(f"the queries' positions past + Q must not pass the keys: past={past}, Q={q_length}, "
                          f"K={k_length}")

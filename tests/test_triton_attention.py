@@ -380,6 +380,25 @@ def test_backward_is_deterministic(term):
 # Inputs whose shape does not go with q, k, v or the term, that relpos_attention does not check yet: the kernel reads
 # out of bounds (on CPU, under the interpreter, it returns finite numbers; on a GPU garbage or a fault).
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_more_queries_than_keys_without_positions_matches_the_oracle(dtype):
+    """Cross-attention: a target longer than its source (queries over several tiles, padded source keys), no
+    position term and no causality, so no query position is read; values and gradients against float64."""
+    g = gen(11)
+    B, H, Q, K, D = 2, 2, 70, 9, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (Q, K, K))
+    grad_out = torch.randn(B, H, Q, D, generator=g).to(dtype)
+    key_valid = torch.ones(B, K, dtype=torch.bool)
+    key_valid[1, -3:] = False
+    inputs = [x.to(DEVICE).detach().requires_grad_() for x in (q, k, v)]
+    out = TA.relpos_attention(*inputs, scale=D**-0.5, key_valid=key_valid.to(DEVICE))
+    got = [out, *torch.autograd.grad(out, inputs, grad_out.to(DEVICE))]
+    wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref, alive = attention64(*wide, D**-0.5, 0.0, allowed_pairs(B, Q, K, 0, False, key_valid, None))
+    want = [ref.detach(), *torch.autograd.grad(ref, wide, grad_out.double())]
+    check(got, want, ["out", "dq", "dk", "dv"], alive, dtype)
+
+
 @pytest.mark.parametrize("kwargs", [
     pytest.param(dict(term="rope", values=torch.zeros(2, 2)), id="unknown-term"),
     pytest.param(dict(term="table", values=torch.zeros(2, 4)), id="table-without-index"),
@@ -396,7 +415,8 @@ def test_backward_is_deterministic(term):
     pytest.param(dict(term="log", values=torch.ones(2, 1)), id="log-of-other-heads"),
     pytest.param(dict(term="table", values=torch.zeros(2, 4), index=torch.zeros(5, dtype=torch.bool)),
                  id="index-of-bools"),
-    pytest.param(dict(past=1), id="queries-past-the-keys"),
+    pytest.param(dict(past=1, causal=True), id="causal-queries-past-the-keys"),
+    pytest.param(dict(past=1, term="log", values=torch.zeros(2, 2)), id="term-queries-past-the-keys"),
     pytest.param(dict(term="query_key", values=torch.zeros(1, 2, 2, 5)), id="query-key-of-other-length"),
     pytest.param(dict(key_valid=torch.ones(1, 4, dtype=torch.bool)), id="key-valid-of-other-length"),
     pytest.param(dict(documents=torch.zeros(2, 3, dtype=torch.long)), id="documents-of-other-batch"),

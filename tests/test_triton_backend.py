@@ -127,6 +127,16 @@ def test_the_encoder_decoder():
     inputs = dict(input_ids=ids, attention_mask=mask, labels=rand_ids(BATCH, LENGTH, seed=2))
     assert_same_step(step(sdpa, **inputs), step(triton, **inputs), what="seq2seq")
 
+def test_the_encoder_decoder_with_a_target_longer_than_the_source():
+    """Cross-attention queries outnumber the source's keys (a short source, a long target, padding): served, and a
+    training step equals SDPA's, gradients included (it was refused as queries past the keys)."""
+    overrides = {k: v for k, v in PRESETS["seq2seq"].items() if k not in PRESETS["modeling"]}
+    sdpa, triton = pair("t5_bias", cls=RelPosForConditionalGeneration, **overrides)
+    ids, mask = rand_ids(BATCH, 5), padding_mask(BATCH, 5, "right", pads=(0, 2))
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=rand_ids(BATCH, 3 * LENGTH, seed=2))
+    assert_same_step(step(sdpa, **inputs), step(triton, **inputs), what="longer target")
+
+
 
 @pytest.mark.parametrize("scheme", ["t5_bias", "fox"])
 def test_generate_gives_sdpa_tokens(scheme):
