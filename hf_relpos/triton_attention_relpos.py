@@ -531,6 +531,9 @@ def relpos_attention(
     refusal = device_refusal(q.device)
     if refusal is not None:
         raise ValueError(refusal)
+    if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: q, k and v in the autocast dtype (RoPE
+        dtype = torch.get_autocast_dtype(q.device.type)  # hands over float32 queries and keys beside bf16 values)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(
             "q must be [B, H, Q, D] and k, v [B, H, K, D] (the same B, H, D), got "

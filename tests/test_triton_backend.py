@@ -127,6 +127,28 @@ def test_the_encoder_decoder():
     inputs = dict(input_ids=ids, attention_mask=mask, labels=rand_ids(BATCH, LENGTH, seed=2))
     assert_same_step(step(sdpa, **inputs), step(triton, **inputs), what="seq2seq")
 
+@pytest.mark.parametrize("scheme", SERVED)
+def test_cpu_autocast_computes_in_its_dtype_as_sdpa_does(scheme):
+    """Under autocast the kernel takes q, k and v in the autocast dtype, as SDPA does (RoPE handed it float32
+    queries and keys beside bfloat16 values: a TypeError); a training step equals SDPA's under the same autocast to
+    bfloat16's rounding, gradients included."""
+    sdpa, triton = pair(scheme)
+    ids = rand_ids(BATCH, LENGTH)
+    results = []
+    for model in (sdpa, triton):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits
+        (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        results.append((logits.float().detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (expected, expected_grads), (got, grads) = results
+    assert got.dtype == expected.dtype and torch.isfinite(got).all()
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max(), scheme
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        scale = expected_grads[name].abs().max().clamp_min(1e-3)
+        assert (grad - expected_grads[name]).abs().max() <= 0.05 * scale, (scheme, name)
+
+
 def test_the_encoder_decoder_with_a_target_longer_than_the_source():
     """Cross-attention queries outnumber the source's keys (a short source, a long target, padding): served, and a
     training step equals SDPA's, gradients included (it was refused as queries past the keys)."""
