@@ -122,10 +122,13 @@ def position_curves(model, max_distance: int, queries: Optional[list] = None) ->
     position = base.position
     distances = torch.arange(max_distance + 1)
     if isinstance(position, AdditiveBiasScheme):
+        tables = getattr(position, "layers", None)  # a T5 table per layer (relative_attention_per_layer)
+        rows = [_bias_row(table, max_distance, model.device) for table in (tables or [position])]
+        shared = f"shared by all {config.num_hidden_layers} layers" if tables is None else "a table per layer"
         return PositionCurves(
-            scheme=scheme, distances=distances, values=_bias_row(position, max_distance, model.device)[None],
-            per_layer=False, ylabel="bias added to the attention logit",
-            title=f"{scheme}: position bias per head (shared by all {config.num_hidden_layers} layers)",
+            scheme=scheme, distances=distances, values=torch.stack(rows), per_layer=tables is not None,
+            ylabel="bias added to the attention logit",
+            title=f"{scheme}: position bias per head ({shared})",
             note=(f"the bias row of a query at position {max_distance} against the keys 0 .. {max_distance}"
                   + {"fire": " (FIRE's bias also depends on the query's position)",
                      "log_decay": " (fixed: the same for every head)"}.get(scheme, "")),

@@ -41,13 +41,19 @@ def position_parameter_groups(model, lr: float, position_lr_scale: float, weight
 def split_position_groups(optimizer, model, scale: float) -> None:
     """Each of ``optimizer``'s parameter groups (before its first step) split in two: its position parameters
     move to a copy of the group at ``scale`` times its learning rate."""
-    position = {id(p) for name, p in model.named_parameters() if name in set(position_parameter_names(model))}
+    names = set(position_parameter_names(model))
+    position = {id(p) for name, p in model.named_parameters() if name in names and p.requires_grad}
+    found = 0
     for group in list(optimizer.param_groups):
         moved = [p for p in group["params"] if id(p) in position]
+        found += len(moved)
         if moved:
             group["params"] = [p for p in group["params"] if id(p) not in position]
             optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": moved,
                                        "lr": group["lr"] * scale})
+    if position and not found:  # e.g. FSDP1 without use_orig_params: flat parameters, none of the model's own
+        raise ValueError("position_lr_scale: the optimizer holds none of the model's position parameters (a wrapper "
+                         "that flattens parameters, such as FSDP without use_orig_params=True, hides them)")
 
 
 def position_lr_trainer(base, scale: float):
@@ -68,8 +74,9 @@ def position_lr_trainer(base, scale: float):
 
 
 def scale_position_init(model, scale: float) -> None:
-    """Multiply ``model``'s position parameters by ``scale`` (after initialisation: a bias table that starts at
-    ``scale`` times its std)."""
+    """Multiply ``model``'s position parameters by ``scale`` (after initialisation: a bias table, T5's or an absolute
+    one, that starts at ``scale`` times its std; for a scheme whose bias is no linear function of its parameters,
+    KERPLE's, FIRE's or FoX's gates, the bias does not scale with them)."""
     import torch
 
     _check_scale("position_init_scale", scale)

@@ -287,6 +287,23 @@ def test_every_additive_bias_scheme_goes_through_the_one_seam(scheme):
     assert curves.values[0].std() > 0  # a curve that varies
 
 
+def test_a_t5_table_per_layer_gives_one_curve_per_layer():
+    """relative_attention_per_layer: each layer's curves are its own table at each distance's causal bucket (the
+    inspection read a shared table, which such a model has not), and the figure has a panel per layer."""
+    torch.manual_seed(0)
+    config = tiny_config("t5_bias", vocab_size=50, num_attention_heads=4, relative_attention_per_layer=True,
+                         num_hidden_layers=3)
+    model = RelPosForCausalLM(config).eval()
+    n = 40
+    curves = inspection.position_curves(model, n)
+    assert curves.per_layer and tuple(curves.values.shape) == (3, 4, n + 1) and "a table per layer" in curves.title
+    buckets = t5_relative_position_bucket(-torch.arange(n + 1), False, config.relative_attention_num_buckets,
+                                          config.relative_attention_max_distance)
+    for layer, table in enumerate(model.model.position.layers):
+        torch.testing.assert_close(curves.values[layer], table.relative_attention_bias.weight.detach()[buckets].T)
+    assert not torch.equal(curves.values[0], curves.values[1])
+
+
 # ---------------------------------------------------------------------------
 # 2. attention-layer{L}.png: the images are the model's attention probabilities
 # ---------------------------------------------------------------------------

@@ -695,3 +695,27 @@ def test_failures_are_classified_from_the_first_wrong_token():
         assert sum(kinds.values()) == total - right and set(kinds) == set(command.FAILURE_KINDS)
     table = record["position_parameters"]["model.position.relative_attention_bias.weight"]
     assert len(table) == 32 and len(table[0]) == 4  # the preset's buckets x heads
+
+
+def test_a_setup_a_scheme_refuses_is_one_line_before_any_training(tmp_path, capsys, monkeypatch):
+    """--attention-scale with Shaw (which keeps its paper's 1/sqrt(d)): one line naming the scheme and the field,
+    nothing trained (it was a traceback after the other schemes' runs)."""
+    monkeypatch.setattr(command, "run_one", lambda *a: pytest.fail("trained"))
+    argv = ["lengthgen", "--tasks", "copy", "--schemes", "alibi", "shaw", "--attention-scale", "1.0", "--output-dir",
+            str(tmp_path / "lg"), *TINY]
+    assert hf_relpos_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--schemes shaw" in err[0] and "attention_scale" in err[0], err
+
+
+def test_the_table_names_the_setup_and_the_layers_it_ran(tmp_path):
+    out = tmp_path / "lg"
+    argv = ["lengthgen", "--tasks", "copy", "--schemes", "alibi", "--seeds", "1", "--layers", "1",
+            "--position-lr-scale", "0.5", "--output-dir", str(out), *TINY]
+    assert hf_relpos_cli.main(argv) == 0
+    data = json.loads((out / "lengthgen.json").read_text())
+    assert data["meta"]["model"]["num_hidden_layers"] == 1 and data["meta"]["layers"] == 1
+    table = (out / "lengthgen.md").read_text()
+    assert "(1 layers," in table and "Setup: position_lr_scale 0.5." in table
+    record = json.loads(command.record_path(out, "copy", "alibi", 0, 1e-3).read_text())
+    assert record["settings"]["layers"] == 1 and record["settings"]["position_lr_scale"] == 0.5

@@ -130,3 +130,38 @@ def test_a_lengthgen_run_trains_at_the_scale_and_records_it(monkeypatch):
     record = lengthgen_command.run_one("copy", "t5_bias", 0, 3e-3, settings)
     assert sorted(seen) == [("init", 0.25), ("lr", 0.5)]
     assert record["settings"]["position_lr_scale"] == 0.5 and record["settings"]["position_init_scale"] == 0.25
+
+
+def test_resuming_a_checkpoint_from_before_the_options_reads_them_as_one(tmp_path):
+    """A checkpoint recorded before --position-lr-scale existed was trained at 1.0: resuming it with another scale is
+    the usual one-line refusal (it was a traceback from the optimizer's state: another number of groups)."""
+    import dataclasses
+    import json
+
+    from hf_relpos.commands import train
+    from hf_relpos.commands.common import TIME_FILE
+    from hf_relpos.commands.errors import UserError
+    from hf_relpos.commands.options import TrainOptions
+
+    options = TrainOptions()
+    saved = train._run_options(options)
+    for name in ("position_lr_scale", "position_init_scale"):
+        del saved[name]
+    (tmp_path / TIME_FILE).write_text(json.dumps({"options": saved}))
+    train._check_resume_options(tmp_path, train._run_options(options))  # the defaults: the same run
+    for name in ("position_lr_scale", "position_init_scale"):
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(UserError, match=rf"was trained with {flag} 1.0, this command gives {flag} 0.1;"):
+            train._check_resume_options(tmp_path, train._run_options(dataclasses.replace(options, **{name: 0.1})))
+
+
+def test_an_optimizer_without_the_models_own_parameters_is_refused():
+    """A wrapper that flattens parameters (FSDP1 without use_orig_params) hands Trainer none of the model's own
+    tensors: the split would silently change nothing, so it is refused."""
+    model = build("t5_bias")
+    flat = torch.nn.Parameter(torch.zeros(10))
+    optimizer = torch.optim.AdamW([flat], lr=1e-3)
+    with pytest.raises(ValueError, match=r"^position_lr_scale: the optimizer holds none of the model's position"):
+        position_lr.split_position_groups(optimizer, model, 0.1)
+    plain = torch.optim.AdamW(build("rope").parameters(), lr=1e-3)
+    position_lr.split_position_groups(plain, build("rope"), 0.1)  # no position parameter: nothing to split

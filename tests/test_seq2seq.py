@@ -526,6 +526,7 @@ def test_convert_t5_command_converts_mt5_umt5_and_encoder_folders(upstream_class
     assert ("last_hidden_state within" if encoder_only else "greedy identical") in printed, printed
     card = (out / "README.md").read_text()
     assert f"upstream `{upstream_class}`" in card and "{{" not in card
+    assert ("a table in every layer, as UMT5" in card) is upstream_class.startswith("UMT5")
     source, mask = padded_source()
     model = (AutoModel if encoder_only else AutoModelForSeq2SeqLM).from_pretrained(out, trust_remote_code=True).eval()
     with torch.no_grad():

@@ -133,6 +133,12 @@ def lengthgen(options: LengthgenOptions) -> Path:
         raise UserError(f"--lrs must be positive learning rates, got {' '.join(map(str, options.lrs)) or 'none'}")
     if options.preset not in PRESETS:
         raise UserError(f"--preset {options.preset!r} is not a preset: choose from {', '.join(PRESETS)}")
+    for scheme in schemes:  # a setup a scheme refuses (Shaw's attention scale) is one line before any training
+        try:
+            model_config(tasks[0], scheme, options.preset, options.train_length, options.items, options.layers,
+                         options.attention_scale, options.initialization)
+        except ValueError as error:
+            raise UserError(f"--schemes {scheme}: {error}") from None
     if options.jobs is not None and options.jobs < 1:
         raise UserError(f"--jobs must be >= 1, got {options.jobs}")
     if options.report and options.overwrite:
@@ -296,7 +302,8 @@ def _lengthgen(options: LengthgenOptions, out: Path, tasks: list, schemes: list,
         "quick": bool(options.quick),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
-        **settings, "gate": options.gate, "learning_rates": lrs, "model": PRESETS[options.preset], "tasks": tasks,
+        **settings, "gate": options.gate, "learning_rates": lrs, "model": {**PRESETS[options.preset], **({"num_hidden_layers": options.layers} if options.layers else {})},
+        "tasks": tasks,
         "schemes": schemes, "seeds": seeds, "jobs": jobs,
         "buckets": [lg.bucket_name(b) for b in lg.buckets(options.train_length)],
         "runs_trained": len(trained), "runs_recorded": recorded, "runs_expected": total,
@@ -423,8 +430,17 @@ def build_model(task: str, scheme: str, preset: str, train_length: int, items: i
     position tables cover the longest test instance (2L items), so their positions past training are there,
     untrained, as in the paper. ``initialization="t5"`` also rescales the tied output layer's input by
     ``hidden_size**-0.5`` as T5 v1.0 (and the paper's T5-based decoder) does: its token table starts at std 1."""
-    from ..configuration_relpos import RelPosConfig
     from ..modeling_relpos import RelPosForCausalLM
+
+    return RelPosForCausalLM(model_config(task, scheme, preset, train_length, items, layers, attention_scale,
+                                          initialization))
+
+
+def model_config(task: str, scheme: str, preset: str, train_length: int, items: int = lg.ITEMS,
+                 layers: Optional[int] = None, attention_scale: Optional[float] = None,
+                 initialization: str = "default"):
+    """``build_model``'s config (ValueError naming the field where the setup does not suit the scheme)."""
+    from ..configuration_relpos import RelPosConfig
 
     extra = {"attention_scale": attention_scale, "initialization": initialization,
              "scale_decoder_outputs": initialization == "t5"}
@@ -432,9 +448,8 @@ def build_model(task: str, scheme: str, preset: str, train_length: int, items: i
         extra["num_hidden_layers"] = layers
     if scheme in ("learned", "sinusoidal"):
         extra["max_position_embeddings"] = lg.max_tokens(task, 2 * train_length)
-    config = RelPosConfig(position_encoding=scheme, vocab_size=lg.vocab_size(items), pad_token_id=lg.PAD_ID,
-                          eos_token_id=lg.EOS_ID, bos_token_id=None, **{**PRESETS[preset], **extra})
-    return RelPosForCausalLM(config)
+    return RelPosConfig(position_encoding=scheme, vocab_size=lg.vocab_size(items), pad_token_id=lg.PAD_ID,
+                        eos_token_id=lg.EOS_ID, bos_token_id=None, **{**PRESETS[preset], **extra})
 
 
 def exact_match(model, instances, batch_size: int = 128) -> tuple[list, list]:
@@ -708,6 +723,10 @@ def render_table(rows: list, meta: dict) -> str:
               f"{', '.join(f'{lr:g}' for lr in meta['learning_rates'])}, seeds {', '.join(map(str, seeds))}; "
               f"{meta['seconds'] / 60:.1f} minutes in all ({meta['jobs']} at a time; {meta['runs_trained']} runs "
               f"trained by this command, {meta['train_cpu_seconds'] / 60:.1f} CPU minutes over all runs)."]
+    setup = [f"{name} {meta[name]}" for name, default in SETTING_DEFAULTS.items()
+             if name != "layers" and meta.get(name, default) != default]
+    if setup:  # what sets this table's runs apart from the default setup
+        lines.append(f"Setup: {', '.join(setup)}.")
     return "\n".join(lines) + "\n"
 
 

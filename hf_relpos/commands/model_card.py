@@ -120,6 +120,11 @@ def write_seq2seq_card(out: Path, src: Path, config, parity: dict, torch_version
         f"| width | d_model {config.hidden_size}, {config.num_attention_heads} heads × d_kv {config.head_dim}, d_ff "
         f"{config.intermediate_size} (`{config.feed_forward_proj}`) |",
         f"| attention | without 1/sqrt(d_kv), as T5 (`attention_scale` {config.attention_scale}) |",
+        "| position bias | " + ("a table in every layer, as UMT5 (`relative_attention_per_layer`; an hf_relpos installed "
+                                 "from before that field would build one shared table, left random, and drop these: load "
+                                 "with this folder's code or a newer hf_relpos)"
+                                 if config.relative_attention_per_layer else "one table shared by all layers, as T5")
+        + " |",
         f"| output layer | {output} |",
         f"| parity with the source (random padded inputs, fp32) | {parity_row} |",
     ])

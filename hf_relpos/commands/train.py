@@ -299,6 +299,8 @@ def _check_resume_options(resume_from: Path, options: dict) -> None:
         return  # a checkpoint from before options were recorded
     if "train_file" in saved:  # recorded before --corpus: the docs, unless files were given
         saved.setdefault("corpus", None if saved["train_file"] else "docs")
+    for name in ("position_lr_scale", "position_init_scale"):  # recorded before these options: trained without
+        saved.setdefault(name, 1.0)
     changed = [name for name in RUN_OPTIONS if name in saved and saved[name] != options[name]]
     if changed:
         flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
