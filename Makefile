@@ -54,8 +54,8 @@ demo-biases: $(STAMP)
 # exported programs, servers) runs whole in one worker. Each worker uses one thread.
 PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
-# The ten slowest tests of each run, in the log (docs/guides/tests.md keeps them before and after issue 34).
-PYTEST_REPORT := --durations=10
+# The thirty slowest tests of each run, in the log (docs/guides/tests.md keeps the ten slowest at each stop).
+PYTEST_REPORT := --durations=30
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_REPORT)
