@@ -31,6 +31,7 @@ and on CPU tensors under ``TRITON_INTERPRET=1`` (set before ``import triton``), 
 ``torch.library.custom_op`` with a fake implementation and autograd, so ``torch.compile(fullgraph=True)`` traces it.
 """
 
+import contextlib
 import os
 from typing import Optional
 
@@ -374,6 +375,13 @@ def _flags(kind: int, term, index):
     return radius, entries
 
 
+def on_device(device: torch.device):
+    """The context every launch runs in: the inputs' GPU as the current device (Triton launches on the current
+    one, so inputs on ``cuda:1`` under a current ``cuda:0`` would be read from the wrong device); nothing on a CPU,
+    under the interpreter."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, past, keep32):
     """The output, the log-sum-exp of each row, and with ``keep32`` the output in float32: the backward's
     ``delta_i = do_i·o_i`` from a float16/bfloat16 output is off by its rounding. In ``dq, dk`` that error is of the
@@ -390,12 +398,13 @@ def _forward(q, k, v, term, index, key_valid, documents, kind, scale, causal, pa
     radius, entries = _flags(kind, term, index)
     config = launch("forward")
     grid = (triton.cdiv(q_length, config["BM"]), batch * heads)
-    _forward_kernel[grid](
-        q, k, v, out, lse, out32, table, idx, valid, doc,
-        heads, q_length, k_length, head_dim, past, radius, entries, scale,
-        KIND=kind, CAUSAL=causal, HAS_VALID=key_valid is not None, HAS_DOC=documents is not None, KEEP32=keep32,
-        DP=padded, UPCAST=upcast, PRECISION=precision, **config,
-    )
+    with on_device(q.device):
+        _forward_kernel[grid](
+            q, k, v, out, lse, out32, table, idx, valid, doc,
+            heads, q_length, k_length, head_dim, past, radius, entries, scale,
+            KIND=kind, CAUSAL=causal, HAS_VALID=key_valid is not None, HAS_DOC=documents is not None, KEEP32=keep32,
+            DP=padded, UPCAST=upcast, PRECISION=precision, **config,
+        )
     return out, lse, out32
 
 
@@ -423,13 +432,14 @@ def _backward(q, k, v, out, lse, grad_out, term, index, key_valid, documents, ki
     flags = dict(KIND=kind, CAUSAL=causal, HAS_VALID=key_valid is not None, HAS_DOC=documents is not None,
                  TERM_GRAD=term_grad, DP=padded, UPCAST=upcast, PRECISION=precision)
     sizes = (heads, q_length, k_length, head_dim, past, radius, entries, scale)
-    _backward_kv_kernel[(blocks, batch * heads)](
-        q, k, v, grad_out, lse, delta, dk, dv, table, idx, valid, doc, partial, *sizes, NBP=padded_entries, **flags,
-        **over_keys,
-    )
-    _backward_q_kernel[(triton.cdiv(q_length, over_queries["BM"]), batch * heads)](
-        q, k, v, grad_out, lse, delta, dq, table, idx, valid, doc, partial, *sizes, **flags, **over_queries
-    )
+    with on_device(q.device):
+        _backward_kv_kernel[(blocks, batch * heads)](
+            q, k, v, grad_out, lse, delta, dk, dv, table, idx, valid, doc, partial, *sizes, NBP=padded_entries,
+            **flags, **over_keys,
+        )
+        _backward_q_kernel[(triton.cdiv(q_length, over_queries["BM"]), batch * heads)](
+            q, k, v, grad_out, lse, delta, dq, table, idx, valid, doc, partial, *sizes, **flags, **over_queries
+        )
     if not term_grad:
         grad_term = None
     elif kind == 1:  # one dense sum over the batch and the key blocks, in a fixed order

@@ -445,3 +445,38 @@ def test_the_ops_pass_torchs_opcheck(entries):
     detached = [x.detach() for x in (q, k, v, out, lse)]
     torch.library.opcheck(TA._attention_backward_op, (*detached, torch.randn_like(detached[0]), table.detach(),
                                                       index, None, None, TA.TERMS["table"], 0.25, True, 0, True))
+
+
+def test_every_launch_runs_under_the_inputs_device(monkeypatch):
+    """Triton launches on the current device: the forward and both backward launches run inside ``on_device`` of the
+    inputs' device (on a GPU, ``torch.cuda.device`` of it: inputs on cuda:1 under a current cuda:0 are read there;
+    on a CPU, the interpreter, no context)."""
+    import contextlib
+
+    entered, launched = [], []
+    real = TA.on_device
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(device)
+        with real(device):
+            yield
+        entered.append("exit")
+
+    monkeypatch.setattr(TA, "on_device", recording)
+    for name in ("_forward_kernel", "_backward_kv_kernel", "_backward_q_kernel"):
+        kernel = getattr(TA, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launched.append((name, len(entered) % 2 == 1))  # inside an open on_device
+                return kernel[grid]
+
+        monkeypatch.setattr(TA, name, Spy())
+    q = torch.randn(1, 2, 5, 8, device=DEVICE, requires_grad=True)
+    TA.relpos_attention(q, q, q, scale=1.0, causal=True).sum().backward()
+    assert entered == [q.device, "exit", q.device, "exit"]
+    assert launched == [("_forward_kernel", True), ("_backward_kv_kernel", True), ("_backward_q_kernel", True)]
+    guard = real(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert isinstance(real(torch.device("cpu")), contextlib.nullcontext)
