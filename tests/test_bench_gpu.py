@@ -45,3 +45,46 @@ def test_dry_run_measures_every_case(tmp_path):
         assert measured[("flex", "table", n)]["status"] == "skipped (dry)"
     assert all(r["t5_over_floor"] is not None for r in report["ratios"])
     assert "relpos_triton" in (tmp_path / "bench-gpu.md").read_text()
+
+
+def _load_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("plant", ["off by 1%", "nan", "nondeterministic"])
+def test_a_planted_wrong_kernel_fails_the_run(plant, tmp_path, monkeypatch, capsys):
+    """The accuracy check against the float32 reference decides the exit status: a kernel whose output is 1% off,
+    gives a NaN, or whose term gradient changes between two identical backward runs makes the run exit 1, naming
+    it (it exited 0 unless an error was non-finite). The timed cases are skipped here: they time, not check."""
+    import torch
+
+    import hf_relpos.triton_attention_relpos as TA
+
+    bench = _load_bench()
+    real, calls = TA.relpos_attention, []
+
+    def planted(q, k, v, **kwargs):
+        out = real(q, k, v, **kwargs)
+        calls.append(1)
+        if plant == "off by 1%":
+            return out * 1.01
+        if plant == "nan":
+            return out + torch.where(torch.arange(out.shape[-1]) == 3, float("nan"), 0.0)
+        values = kwargs["values"]  # a term gradient that depends on the call: the second backward differs
+        return out + 1e-3 * len(calls) * (values.sum() - values.sum().detach())
+
+    monkeypatch.setattr(TA, "relpos_attention", planted)
+    monkeypatch.setattr(bench, "KINDS", ("table",))  # one term is enough to see the check decide
+    monkeypatch.setattr(bench.Bench, "run_case", lambda self, method, build, kind, n, reserve_s=3.0: dict(
+        method=method, term=kind, n=n, status="skipped (test)"))
+    assert bench.main(["--dry", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "bench_gpu: wrong numbers: T5" in err and len(calls) == 2, err
+    expected = {"off by 1%": "out: relative error", "nan": "relative error nan",
+                "nondeterministic": "differs between two identical backward runs"}[plant]
+    assert expected in err, err  # (the kernel itself passes: test_dry_run_measures_every_case exits 0)
