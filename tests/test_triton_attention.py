@@ -285,6 +285,26 @@ def test_float32_matches_the_oracle(term, causal, scenario):
     check(got, want, names, alive, torch.float32)
 
 
+@pytest.mark.skipif(not TA.interpreting(), reason="the GPU's tiles under the interpreter (a GPU uses them anyway)")
+@pytest.mark.parametrize("term,causal", cases())
+def test_the_gpus_tiles_across_several_tiles_match_the_oracle(term, causal, monkeypatch):
+    """The tiles a GPU launches (GPU_LAUNCH: 64 x 64 forward, 32 x 64 and 64 x 32 backward) run under the interpreter
+    on shapes spanning several of them, with ragged edges, padding, documents and a cache offset: values and
+    gradients against the float64 oracle (the suite's other cases run the interpreter's own small tiles)."""
+    monkeypatch.setattr(TA, "launch", lambda kernel: {k: v for k, v in TA.GPU_LAUNCH[kernel].items()
+                                                      if k in ("BM", "BN")})
+    B, Q, past = 2, 97, 40
+    K = Q + past
+    valid = torch.ones(B, K, dtype=torch.bool)
+    valid[0, :11] = False
+    docs = torch.zeros(B, K, dtype=torch.long)
+    docs[1, 30:] = 1
+    docs[1, 101:] = 2
+    got, want, names, alive = run_both(term, torch.float32, causal=causal, B=B, H=1, Q=Q, D=16, past=past,
+                                       key_valid=valid, documents=docs if causal else None, seed=13)
+    check(got, want, names, alive, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("term,causal", [
     (t, c) for t, c in cases()
