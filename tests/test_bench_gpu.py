@@ -19,11 +19,12 @@ KINDS = ("table", "linear", "log", "query_key")
 
 def test_dry_run_measures_every_case(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--out", str(tmp_path)], env=env,
+    # one length: the plumbing of every case is the same at each (the dry default times 32 and 48)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--out", str(tmp_path), "--sizes", "32"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "bench-gpu.json").read_text())
-    assert report["config"]["dry"] and report["config"]["sizes"] == [32, 48]
+    assert report["config"]["dry"] and report["config"]["sizes"] == [32]
 
     accuracy = {row["term"]: row for row in report["accuracy"]}
     assert set(accuracy) == set(KINDS)
@@ -37,7 +38,7 @@ def test_dry_run_measures_every_case(tmp_path):
 
     measured = {(row["method"], row["term"], row["n"]): row for row in report["cases"]}
     expected = [("sdpa", None), ("sdpa_materialised", "table")] + [("relpos_triton", kind) for kind in KINDS]
-    for n in (32, 48):
+    for n in (32,):
         for method, kind in expected:
             row = measured[(method, kind, n)]
             assert row["status"] == "ok", row
