@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: newest run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat compat-venvs compat-tests docs
+.PHONY: newest run test setup clean demo-biases bench bench-seq2seq bench-thp bench-band upstream-tests compat compat-venvs compat-tests docs docs-screens
 
 setup: $(STAMP)
 
@@ -70,8 +70,16 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml constraints-dev.txt
 	$(PY) -m pip install --quiet -c constraints-dev.txt -e ".[docs]"
 	touch $(DOCS_STAMP)
 
+# Then the site as a reader sees it (scripts/check_site.py): no list, table or code block run into a paragraph,
+# no list nested too shallow for Python-Markdown, no image that does not resolve. --strict passes all of these.
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+	$(PY) scripts/check_site.py build/site --docs docs
+
+# A screenshot of every guide in headless Chromium (Debian's `chromium` package), for a person to look at (not run
+# by CI): the built site served on 127.0.0.1, one full-page PNG per page in build/screens/.
+docs-screens: docs
+	$(PY) scripts/docs_screens.py build/site --output build/screens
 
 clean:
 	rm -rf $(VENV) $(VENV)-tf* build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,114 @@
+"""scripts/check_site.py, the built site as a reader sees it (``make docs`` runs it on build/site): each fault it
+names is planted in HTML as Python-Markdown writes it (the shapes were read off its output), and the same page
+written right passes. scripts/docs_screens.py's page list, and one capture where Chromium is installed."""
+
+import importlib.util
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check_site = _load("check_site")
+docs_screens = _load("docs_screens")
+
+# What Python-Markdown makes of "The mask comes from per-token vectors:\n- causality;\n- padding." (no blank line)
+RUN_ON_LIST = "<p>The mask comes from per-token vectors:\n- causality;\n- padding.</p>"
+RIGHT_LIST = "<p>The mask comes from per-token vectors:</p>\n<ul>\n<li>causality;</li>\n<li>padding.</li>\n</ul>"
+
+
+@pytest.mark.parametrize("html, fault", [
+    (RUN_ON_LIST, "a list item run into a paragraph"),
+    ("<p>Steps:\n1. build\n2. check</p>", "a list item run into a paragraph"),
+    ("<p>Rows:\n| a | b |\n| - | - |</p>", "a table row run into a paragraph"),
+    ('<p>Run:\n<div class="highlight"><pre><span></span><code>make\n</code></pre></div></p>',
+     "a code block inside a paragraph"),
+    # a list item's second paragraph indented by 2: Python-Markdown closes the list and keeps the indentation
+    ("<ul>\n<li>one</li>\n</ul>\n<p>Second paragraph of one\n  goes on here.</p>",
+     "a list item's paragraph outside its list"),
+])
+def test_each_fault_is_named_and_its_right_form_passes(html, fault):
+    faults, _ = check_site.check_page(html)
+    assert len(faults) == 1 and faults[0].startswith(fault), faults
+    assert check_site.check_page(RIGHT_LIST) == ([], [])
+
+
+def test_what_is_not_a_fault():
+    page = ("<p>A range 1-3\nthen a dash - here, and 2 - 1 = 1.</p>"  # a hyphen inside a line is prose
+            "<ul><li><p>an item's own paragraph\n  keeps its indentation</p></li></ul>"
+            "<p>a sentence that wraps\nonto a second line</p>")
+    assert check_site.check_page(page)[0] == []
+    # the API reference renders docstrings as written: their indented lines are not a fault there
+    assert check_site.check_page("<p>Args:\n    x: the input</p>", prose=False)[0] == []
+    assert check_site.check_page("<p>Args:\n    x: the input</p>", prose=True)[0]
+
+
+def _site(tmp_path, page_html):
+    site = tmp_path / "site"
+    (site / "guides" / "one").mkdir(parents=True)
+    (site / "results").mkdir()
+    (site / "results" / "plot.png").write_bytes(b"png")
+    (site / "index.html").write_text("<p>home</p>")
+    (site / "guides" / "one" / "index.html").write_text(page_html)
+    return site
+
+
+def test_an_image_must_be_a_file_of_the_site(tmp_path):
+    good = _site(tmp_path / "a", '<p><img src="../../results/plot.png" alt="x"></p>')
+    assert check_site.check_site(good) == []
+    for n, source in enumerate(("../../results/missing.png", "../../../outside.png")):
+        bad = _site(tmp_path / f"b{n}", f'<p><img src="{source}" alt="x"></p>')
+        (bad.parent / "outside.png").write_bytes(b"png")  # exists, but not in the site
+        faults = check_site.check_site(bad)
+        assert faults == [f"guides/one/index.html: the image {source!r} is not a file of the site"]
+
+
+def test_the_command_exits_1_on_a_fault_and_0_on_a_clean_site(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "page.md").write_text("- a\n    - nested by 4\n")
+    assert check_site.main([str(_site(tmp_path / "ok", RIGHT_LIST)), "--docs", str(docs)]) == 0
+    assert check_site.main([str(_site(tmp_path / "bad", RUN_ON_LIST)), "--docs", str(docs)]) == 1
+    out = capsys.readouterr().out
+    assert "guides/one/index.html: a list item run into a paragraph" in out and "1 faults" in out
+    assert check_site.main([str(tmp_path / "none"), "--docs", str(docs)]) == 1
+
+
+def test_a_list_nested_by_fewer_than_4_spaces_is_named_in_the_sources(tmp_path):
+    (tmp_path / "page.md").write_text(
+        "1. step:\n   - three spaces\n2. next\n\n```text\n  - in a fence is code\n```\n- a\n    - four spaces\n")
+    assert check_site.check_sources(tmp_path) == [
+        f"{(tmp_path / 'page.md').as_posix()}:2: a list item nested by fewer than 4 spaces: '- three spaces'"]
+
+
+def test_the_documentation_sources_pass_their_own_rule():
+    """The rule the built-site check cannot see (a shallow nest renders as a flat list) holds for docs/ today."""
+    assert check_site.check_sources(ROOT / "docs") == []
+
+
+def test_screens_cover_the_front_page_and_every_guide(tmp_path):
+    site = _site(tmp_path, RIGHT_LIST)
+    (site / "guides" / "two").mkdir()
+    (site / "guides" / "two" / "index.html").write_text("<p>two</p>")
+    assert docs_screens.pages(site) == [("index", "index.html"), ("guides-one", "guides/one/index.html"),
+                                        ("guides-two", "guides/two/index.html")]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (make docs-screens only)")
+def test_a_screen_holds_the_whole_page(tmp_path):
+    """A page taller than any window is captured whole: the PNG's height is the page's (the body sets it)."""
+    site = _site(tmp_path, '<html><body style="margin:0"><div style="height:3000px">tall</div></body></html>')
+    assert docs_screens.main([str(site), "--output", str(tmp_path / "screens")]) == 0
+    header = (tmp_path / "screens" / "guides-one.png").read_bytes()[:24]
+    width, height = struct.unpack(">II", header[16:24])
+    assert (width, height) == (docs_screens.WIDTH, 3000)
