@@ -36,6 +36,8 @@ RIGHT_LIST = "<p>The mask comes from per-token vectors:</p>\n<ul>\n<li>causality
     # a list item's second paragraph indented by 2: Python-Markdown closes the list and keeps the indentation
     ("<ul>\n<li>one</li>\n</ul>\n<p>Second paragraph of one\n  goes on here.</p>",
      "a list item's paragraph outside its list"),
+    # `-m·\\|d\\|` in a table cell: GitHub's escape, shown by Python-Markdown as written
+    ("<table><tr><td><code>-m·\\|d\\|</code></td></tr></table>", "a table cell's code shows its escape"),
 ])
 def test_each_fault_is_named_and_its_right_form_passes(html, fault):
     faults, _ = check_site.check_page(html)
@@ -46,7 +48,8 @@ def test_each_fault_is_named_and_its_right_form_passes(html, fault):
 def test_what_is_not_a_fault():
     page = ("<p>A range 1-3\nthen a dash - here, and 2 - 1 = 1.</p>"  # a hyphen inside a line is prose
             "<ul><li><p>an item's own paragraph\n  keeps its indentation</p></li></ul>"
-            "<p>a sentence that wraps\nonto a second line</p>")
+            "<p>a sentence that wraps\nonto a second line</p>"
+            "<table><tr><td><code>-m·abs(d)</code> or x | y</td></tr></table><p><code>a\\|b</code> outside a table</p>")
     assert check_site.check_page(page)[0] == []
     # the API reference renders docstrings as written: their indented lines are not a fault there
     assert check_site.check_page("<p>Args:\n    x: the input</p>", prose=False)[0] == []
