@@ -11,10 +11,6 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 # pytest-xdist worker already has a core of its own (measured with a warm inductor cache: the compile tests of
 # test_modeling 50 s instead of 54 s; not measured cold).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-# The Triton kernel (attn_implementation="relpos_triton", with the optional extra installed) runs on CPU tensors
-# through Triton's interpreter, which Triton reads when a kernel is defined: set before hf_relpos is imported.
-# A machine with a GPU sets TRITON_INTERPRET=0 to test the compiled kernels.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 # Remote code is copied into HF_MODULES_CACHE under the folder's base name; two test processes (pytest-xdist
 # workers, or two runs) loading folders of the same name would write the same files at once. Each test process
 # gets its own cache (its subprocesses inherit it), set before Transformers reads it at import, and removes it.
@@ -25,6 +21,12 @@ atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+# The Triton kernel (attn_implementation="relpos_triton", with the optional extra installed): without a GPU it runs on
+# CPU tensors through Triton's interpreter, which Triton reads when a kernel is defined, so this is set before
+# anything imports Triton (importing torch does not). With a GPU the kernel and backend tests run the compiled
+# kernels on it (their DEVICE); TRITON_INTERPRET=1 there runs the interpreter on CPU instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TESTS = os.path.dirname(os.path.abspath(__file__))

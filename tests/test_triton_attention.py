@@ -428,8 +428,6 @@ def test_more_queries_than_keys_without_positions_matches_the_oracle(dtype):
     pytest.param(dict(term=None, values=torch.zeros(2, 2)), id="values-without-term"),
     pytest.param(dict(term="table", values=torch.zeros(2, 4), index=torch.zeros(4, dtype=torch.long)),
                  id="index-of-even-length"),
-    pytest.param(dict(term="table", values=torch.zeros(2, 4), index=torch.full((5,), 4)),
-                 id="index-past-the-table"),
     pytest.param(dict(term="table", values=torch.zeros(3, 4), index=torch.zeros(5, dtype=torch.long)),
                  id="table-of-other-heads"),
     pytest.param(dict(term="log", values=torch.ones(2, 1)), id="log-of-other-heads"),
@@ -448,6 +446,33 @@ def test_argument_errors(kwargs):
     kwargs = {key: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for key, x in kwargs.items()}
     with pytest.raises(ValueError):
         TA.relpos_attention(q, q, q, scale=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("past", [0, 3])
+def test_an_index_past_the_table_reads_its_edge_entries_on_every_device(past):
+    """An index entry outside the table [0, NB): the kernel reads the nearest edge entry, on the CPU and on a GPU
+    alike (the op itself, below every host check: a check of the values on the host would stall a GPU or break a
+    trace). Values and the table's gradient equal those of the index clamped by hand."""
+    g = gen(11)
+    k, v = (torch.randn(1, 2, 9, 16, generator=g).to(DEVICE) for _ in range(2))
+    q = torch.randn(1, 2, 9 - past, 16, generator=g).to(DEVICE)  # queries at past .. 8 over 9 keys
+    table = torch.randn(2, 4, generator=g).to(DEVICE)
+    wild = torch.tensor([-7, -1, 0, 5, 2, 4, 9], device=DEVICE)  # R = 3; entries before 0 and past 3
+    results = []
+    for index in (wild, wild.clamp(0, 3)):
+        values = table.clone().requires_grad_()
+        out, _, _ = TA._attention_op(q, k, v, values, index, None, None, TA.TERMS["table"], 0.25, True, past, False)
+        out.sum().backward()
+        results.append((out.detach(), values.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[1][1].abs().sum() > 0
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the host check reads the index: eager calls on CPU tensors only")
+def test_an_eager_cpu_call_names_an_index_past_the_table():
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"index entries must lie in \[0, 4\), got 4 \.\. 4"):
+        TA.relpos_attention(q, q, q, scale=1.0, term="table", values=torch.zeros(2, 4), index=torch.full((5,), 4))
 
 
 @pytest.mark.parametrize("entries", [6, 32])

@@ -2,12 +2,11 @@
 against SDPA: values, the loss and every parameter's gradient, in the mask settings the kernel takes; generate; the
 refusals; ``torch.compile(fullgraph=True)`` of a training step through the custom op.
 
-On a CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before anything
-imports Triton); the module skips without Triton (the optional extra ``hf_relpos[triton]``). The kernel's own
-checks against float64 oracles are in ``test_triton_attention.py``.
+Without a GPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before anything
+imports Triton) on CPU models; with one, the models and inputs live on it (``DEVICE``) and the compiled kernels run.
+The module skips without Triton (the optional extra ``hf_relpos[triton]``). The kernel's own checks against float64
+oracles are in ``test_triton_attention.py``.
 """
-
-import os
 
 import pytest
 import torch
@@ -24,10 +23,16 @@ from hf_relpos import (  # noqa: E402
 )
 from hf_relpos.position_schemes_relpos import POSITION_SCHEMES  # noqa: E402
 from tiny import (  # noqa: E402
-    PRESETS, assert_close, assert_close_where, build, enable_checkpointing, padding_mask, rand_ids,
+    PRESETS, assert_close, assert_close_where, build, enable_checkpointing, triton_interpreting, use_impl,
 )
+from tiny import padding_mask as cpu_padding_mask  # noqa: E402
+from tiny import rand_ids as cpu_rand_ids  # noqa: E402
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+if triton_interpreting():
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
     pytest.skip("no GPU and TRITON_INTERPRET unset: the kernel cannot run here", allow_module_level=True)
 
 pytestmark = pytest.mark.xdist_group("test_triton_backend")
@@ -40,10 +45,23 @@ BATCH, LENGTH = 2, 12
 ATOL = 2e-5
 
 
+def rand_ids(*args, **kwargs):
+    return cpu_rand_ids(*args, **kwargs).to(DEVICE)
+
+
+def padding_mask(*args, **kwargs):
+    return cpu_padding_mask(*args, **kwargs).to(DEVICE)
+
+
 def pair(scheme, cls=RelPosForCausalLM, **overrides):
-    """The same random model twice, in training mode without dropout: SDPA, and the Triton kernel."""
+    """The same random model twice on DEVICE, in training mode without dropout: SDPA, and the Triton kernel."""
     overrides.setdefault("attention_dropout", 0.0)
-    return tuple(build(scheme, cls=cls, impl=impl, **overrides).train() for impl in ("sdpa", TRITON))
+    return tuple(build(scheme, cls=cls, impl=impl, device=DEVICE, **overrides).train() for impl in ("sdpa", TRITON))
+
+
+def weights(n, like):
+    """``n`` weights from -1 to 1 beside ``like``: a summed output whose gradient differs per position."""
+    return torch.linspace(-1, 1, n, device=like.device)
 
 
 def step(model, output: str = "logits", **inputs):
@@ -51,7 +69,7 @@ def step(model, output: str = "logits", **inputs):
     model.zero_grad(set_to_none=True)
     out = model(**inputs)
     value = out.loss if out.get("loss") is not None else getattr(out, output)
-    value = value if value.dim() == 0 else (value * torch.linspace(-1, 1, value.shape[-1])).sum()
+    value = value if value.dim() == 0 else (value * weights(value.shape[-1], value)).sum()
     value.backward()
     return getattr(out, output).detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -100,7 +118,7 @@ def test_packed_documents(scheme):
     """Rows packed from documents (position_ids restarting): a query sees its own document, distances restart."""
     sdpa, triton = pair(scheme)
     ids = rand_ids(BATCH, LENGTH)
-    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]], device=DEVICE)
     inputs = dict(input_ids=ids, position_ids=position_ids, labels=ids)
     assert_same_step(step(sdpa, **inputs), step(triton, **inputs), what=scheme)
 
@@ -128,7 +146,7 @@ def test_the_encoder_decoder():
     assert_same_step(step(sdpa, **inputs), step(triton, **inputs), what="seq2seq")
 
 @pytest.mark.parametrize("scheme", SERVED)
-def test_cpu_autocast_computes_in_its_dtype_as_sdpa_does(scheme):
+def test_autocast_computes_in_its_dtype_as_sdpa_does(scheme):
     """Under autocast the kernel takes q, k and v in the autocast dtype, as SDPA does (RoPE handed it float32
     queries and keys beside bfloat16 values: a TypeError); a training step equals SDPA's under the same autocast to
     bfloat16's rounding, gradients included."""
@@ -136,9 +154,9 @@ def test_cpu_autocast_computes_in_its_dtype_as_sdpa_does(scheme):
     ids = rand_ids(BATCH, LENGTH)
     results = []
     for model in (sdpa, triton):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             logits = model(ids).logits
-        (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        (logits.float() * weights(logits.shape[-1], logits)).sum().backward()
         results.append((logits.float().detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (expected, expected_grads), (got, grads) = results
     assert got.dtype == expected.dtype and torch.isfinite(got).all()
@@ -245,20 +263,20 @@ def test_a_sliding_window_is_refused():
 
 
 def test_attention_dropout_in_training_is_refused():
-    model = build("alibi", impl=TRITON, attention_dropout=0.1).train()
+    model = build("alibi", impl=TRITON, device=DEVICE, attention_dropout=0.1).train()
     with pytest.raises(ValueError, match=r"attention_dropout=0.1 in training"):
         model(rand_ids(1, 4))
 
 
 def test_a_cpu_outside_the_interpreter_is_pointed_to_sdpa(monkeypatch):
-    model = build("t5_bias", impl=TRITON)
+    model = use_impl(build("t5_bias", impl="sdpa"), TRITON)  # on the CPU, whatever DEVICE is
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"relpos_triton' runs on CUDA GPUs \(on CPU only under TRITON_INTERPRET=1"):
-        model(rand_ids(1, 4))
+        model(cpu_rand_ids(1, 4))
 
 
 def test_a_static_cache_is_refused_in_one_line():
-    model = build("t5_bias", impl=TRITON).eval()
+    model = build("t5_bias", impl=TRITON, device=DEVICE).eval()
     ids = rand_ids(1, 5)
     with torch.no_grad(), pytest.raises(ValueError, match=r"relpos_triton' takes a 2-D attention_mask, not a prepared"):
         model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static")

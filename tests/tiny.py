@@ -5,6 +5,8 @@ exposes them as the fixtures ``tiny_config``, ``make_model`` and ``scheme``. A p
 tests compare outputs across runs and backends, so each test keeps the exact config it was written with.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -43,16 +45,26 @@ def tiny_config(position_encoding: str, *, preset: str = "default", skip_causal_
     return RelPosConfig(**kwargs)
 
 
-def make_model(cls, scheme: str, impl: str | None = None, seed: int = 0, *, preset: str = "default", **overrides):
-    """``cls`` on the preset's config, its weights drawn after ``torch.manual_seed(seed)``, in eval mode;
-    ``impl`` (eager / sdpa) set through ``set_attn_implementation`` when given."""
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (conftest.py sets it where there is no GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def make_model(cls, scheme: str, impl: str | None = None, seed: int = 0, *, preset: str = "default", device="cpu",
+               **overrides):
+    """``cls`` on the preset's config, its weights drawn after ``torch.manual_seed(seed)``, in eval mode on
+    ``device``; ``impl`` (eager / sdpa / ...) set through ``set_attn_implementation`` when given. A
+    ``relpos_triton`` model on the CPU needs Triton's interpreter: without it (a GPU machine) the test is skipped,
+    and test_triton_backend.py runs the kernel on the GPU instead."""
+    if impl == "relpos_triton" and torch.device(device).type == "cpu" and not triton_interpreting():
+        pytest.skip("relpos_triton on a CPU model runs under Triton's interpreter only (TRITON_INTERPRET=1)")
     config = tiny_config(scheme, preset=preset, **overrides)
     torch.manual_seed(seed)
     model = cls(config)
     if impl is not None:
         model.set_attn_implementation(impl)
         assert model.config._attn_implementation == impl
-    return model.eval()
+    return model.to(device).eval()
 
 
 def build(position_encoding: str, cls=None, impl: str = "eager", seed: int = 0, **overrides):
