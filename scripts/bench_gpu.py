@@ -17,10 +17,13 @@ n = 1024 .. 16384:
 
 Times are CUDA-event medians after warm-up (forward alone and forward + backward from the same steps); memory is
 ``torch.cuda.max_memory_allocated`` during the timed steps, reset per case, also as "extra" above the case's
-inputs. Accuracy: each relpos_triton output and gradient (q, k, v, term) against SDPA's math backend in float32
-with the float32 bias materialised, at n = 1024 (batch 2); determinism: two backward runs give bitwise-equal term
-gradients (``torch.equal``). A failed case (out of memory or an error) is recorded and the run goes on; past the
-global deadline (``--budget-s``) the remaining cases are skipped. Order: accuracy, the core cases at every n,
+inputs. Accuracy, at every size it times: each relpos_triton output and gradient (q, k, v, term) against SDPA's
+math backend in float32 with the float32 bias materialised, batch 2 with the second row's first n/8 keys padding,
+the gradient flowing from ``CHECKED_ROWS`` queries (so the reference holds their scores alone); determinism: two
+backward runs give bitwise-equal term gradients (``torch.equal``); a wrong number makes the run exit 1. A failed
+case (out of memory or an error) is recorded and the run goes on; a case whose ``[B, H, n, n]`` tensors would
+take more than ``MEMORY_SHARE`` of the card's free memory is skipped with its estimate; a case's steps stop after
+``--case-cap-s`` seconds; past the global deadline (``--budget-s``) the remaining cases are skipped. Order: accuracy, the core cases at every n,
 third parties, then FlexAttention (its compiles are the slow part).
 
     python scripts/bench_gpu.py                          # on the GPU: results/bench-gpu.{md,json}
@@ -50,6 +53,12 @@ sys.path.insert(0, str(ROOT))
 KINDS = ("table", "linear", "log", "query_key")
 LABEL = {"table": "T5", "linear": "ALiBi", "log": "KERPLE", "query_key": "FoX", None: "none"}
 BUCKETS, MAX_DISTANCE = 32, 128
+# The queries the accuracy check compares at each size (the first and the last half of them): its float32 reference
+# holds their scores alone, so the check costs the same memory at n = 16,384 as at 1,024.
+CHECKED_ROWS = 256
+# A case that would materialise more than this share of the card's free memory is skipped (recorded, with its
+# estimate), rather than run out of memory after minutes; a case's steps stop once it has run CASE_CAP_S seconds.
+MEMORY_SHARE = 0.85
 
 
 def parse(argv):
@@ -61,6 +70,8 @@ def parse(argv):
     parser.add_argument("--sizes", default=None, help="sequence lengths, comma-separated")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per case (median)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per case")
+    parser.add_argument("--case-cap-s", type=float, default=30.0,
+                        help="a case's warm-up and timed steps stop after this many seconds (at least one timed)")
     args = parser.parse_args(argv)
     if args.dry and args.out is None:
         parser.error("--dry needs --out DIR (its numbers must not replace results/bench-gpu.*)")
@@ -77,12 +88,12 @@ class Bench:
         if args.dry:  # the interpreter multiplies bfloat16 bit patterns: float32 there
             self.dtype, self.heads, self.head_dim, self.tokens = torch.float32, 2, 16, None
             self.sizes = [32, 48]
-            self.check_n, self.check_batch = 32, 2
+            self.check_batch = 2
             self.warmup, self.repeats = 1, 1  # the interpreter takes ~0.2-0.8 s a step: plumbing, not timing
         else:
             self.dtype, self.heads, self.head_dim, self.tokens = torch.bfloat16, 16, 64, 16384
             self.sizes = [1024, 2048, 4096, 8192, 16384]
-            self.check_n, self.check_batch = 1024, 2
+            self.check_batch = 2
             self.warmup, self.repeats = 3, 7
         if args.sizes:
             self.sizes = [int(s) for s in args.sizes.split(",")]
@@ -126,14 +137,17 @@ class Bench:
             v = F.fox_query_key_bias(log_forget, n)
         return v.float().requires_grad_(True)
 
-    def distances(self, n):
+    def distances(self, n, rows=None):
+        """Key minus query position, ``[n, n]`` (or ``[len(rows), n]`` for the queries ``rows``)."""
         positions = self.torch.arange(n, device=self.device)
-        return positions[None, :] - positions[:, None]  # key minus query, [n, n]
+        queries = positions if rows is None else rows
+        return positions[None, :] - queries[:, None]
 
-    def dense_bias(self, kind, values, n, dtype):
-        """The term materialised ``[1 or B, H, n, n]`` with the causal mask, differentiable in ``values``."""
+    def dense_bias(self, kind, values, n, dtype, rows=None):
+        """The term materialised ``[1 or B, H, n, n]`` with the causal mask, differentiable in ``values`` (only the
+        queries ``rows`` when given: ``[1 or B, H, len(rows), n]``)."""
         torch = self.torch
-        d = self.distances(n)
+        d = self.distances(n, rows)
         if kind == "table":
             bias = values[:, self.index.long()[d.clamp(-self.R, self.R) + self.R]]
         elif kind == "linear":
@@ -142,7 +156,8 @@ class Bench:
             bias = -values[0][:, None, None] * torch.log1p(values[1][:, None, None] * d.abs())
         else:
             u = values[..., 0, :] + values[..., 1, :]
-            bias = u[..., :n, None] + u[..., None, n:]
+            query_part = u[..., :n] if rows is None else u[..., :n][..., rows]
+            bias = query_part[..., :, None] + u[..., None, n:]
         if bias.dim() == 3:
             bias = bias[None]
         return bias.to(dtype).masked_fill(d > 0, float("-inf"))
@@ -318,8 +333,11 @@ class Bench:
             self.torch.cuda.empty_cache()
 
     def measure(self, build, kind, n):
-        """Median forward and forward+backward time and peak memory of one case."""
+        """Median forward and forward+backward time and peak memory of one case; its warm-up and timed steps stop
+        once the case has run ``--case-cap-s`` seconds (at least one timed step: ``repeats`` in the row)."""
         torch = self.torch
+        case_start = time.perf_counter()
+        capped = lambda: time.perf_counter() - case_start > self.args.case_cap_s  # noqa: E731
         self.release()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -333,8 +351,11 @@ class Bench:
         first = time.perf_counter() - started  # includes JIT / compile
         del out, grads
         for _ in range(max(0, self.warmup - 1)):
+            if capped():
+                break
             grads = torch.autograd.grad(forward(), leaves, grad_out)
             del grads
+            self.sync()
         self.sync()
         self.release()
         base = 0
@@ -353,7 +374,9 @@ class Bench:
                 e[2].record()
                 del out, grads
                 marks.append(e)
-            torch.cuda.synchronize()
+                torch.cuda.synchronize()  # between steps, outside the events: to read the clock for the cap
+                if capped():
+                    break
             fwd = [e[0].elapsed_time(e[1]) for e in marks]
             total = [e[0].elapsed_time(e[2]) for e in marks]
         else:
@@ -366,7 +389,9 @@ class Bench:
                 del out
                 fwd.append(1e3 * (t1 - t0))
                 total.append(1e3 * (t2 - t0))
-        row = dict(status="ok", note=note, first_call_s=round(first, 3),
+                if capped():
+                    break
+        row = dict(status="ok", note=note, first_call_s=round(first, 3), repeats=len(total),
                    fwd_ms=round(statistics.median(fwd), 4), fwd_bwd_ms=round(statistics.median(total), 4))
         if self.cuda:
             peak = torch.cuda.max_memory_allocated()
@@ -375,11 +400,26 @@ class Bench:
         del forward, leaves, grad_out
         return row
 
+    def quadratic_bytes(self, method, n):
+        """What a method that materialises ``[B, H, n, n]`` tensors needs of them in a forward + backward (an
+        estimate from its tensors: the bias, its gradient and their masked copies; upstream T5's float32 scores,
+        softmax and their gradients); 0 for the methods linear in n."""
+        copies = {"sdpa_materialised": (3, 2), "x_transformers": (3, 2), "t5_upstream": (5, 4)}.get(method)
+        if copies is None:
+            return 0
+        count, width = copies
+        return count * width * self.batch(n) * self.heads * n * n
+
     def run_case(self, method, build, kind, n, reserve_s=3.0):
         row = dict(method=method, term=kind, n=n, batch=self.batch(n))
         left = self.deadline - time.monotonic()
+        need = self.quadratic_bytes(method, n)
+        free = self.torch.cuda.mem_get_info()[0] if self.cuda else None
         if left < reserve_s:
             row["status"] = f"skipped (budget: {left:.0f} s left)"
+        elif free is not None and need > MEMORY_SHARE * free:
+            row["status"] = "skipped (memory)"
+            row["error"] = f"needs about {need / 2**30:.0f} GiB of n² tensors, {free / 2**30:.0f} GiB free"
         else:
             try:
                 row |= self.measure(build, kind, n)
@@ -398,47 +438,70 @@ class Bench:
 
     # -- accuracy and determinism ---------------------------------------------------------------------------------
 
-    def accuracy(self, kind):
+    def checked_rows(self, n):
+        """The queries whose outputs the accuracy check compares: the first and the last ``CHECKED_ROWS // 2``
+        (all of them at n <= CHECKED_ROWS): the first reach into the padding, the last see every key."""
+        torch, half = self.torch, CHECKED_ROWS // 2
+        if n <= CHECKED_ROWS:
+            return torch.arange(n, device=self.device)
+        return torch.cat([torch.arange(half, device=self.device), torch.arange(n - half, n, device=self.device)])
+
+    def accuracy(self, kind, n):
+        """One size's accuracy and determinism, batch 2, the second row's first n/8 keys padding (left padding:
+        its first queries have no key and give zeros). The gradient flows from the checked rows' outputs only, so
+        the float32 reference needs those rows' scores alone (``[2, H, rows, n]``, not ``n²``) and every gradient
+        (q's on those rows; k's, v's and the term's, which sum over them) is compared whole."""
         torch = self.torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         from hf_relpos.triton_attention_relpos import relpos_attention
 
-        n, b = self.check_n, self.check_batch
-        torch.manual_seed(0)
+        b = self.check_batch
+        torch.manual_seed(n)
         q, k, v = self.qkv(b, n)
         values = self.values(kind, b, n)
         index = self.index if kind == "table" else None
-        grad_out = torch.randn_like(q)
+        key_valid = torch.ones(b, n, dtype=torch.bool, device=self.device)
+        key_valid[1, : n // 8] = False
+        rows = self.checked_rows(n)
+        grad_out = torch.zeros_like(q)
+        grad_out[:, :, rows] = torch.randn(b, self.heads, len(rows), self.head_dim, device=self.device,
+                                           dtype=self.dtype)
 
         def run():
-            out = relpos_attention(q, k, v, scale=self.scale, causal=True, term=kind, values=values, index=index)
-            return (out.detach(), *torch.autograd.grad(out, [q, k, v, values], grad_out))
+            out = relpos_attention(q, k, v, scale=self.scale, causal=True, term=kind, values=values, index=index,
+                                   key_valid=key_valid)
+            return (out.detach()[:, :, rows], *torch.autograd.grad(out, [q, k, v, values], grad_out))
 
         first, second = run(), run()
         leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v, values)]
-        bias = self.dense_bias(kind, leaves[3], n, torch.float32)
-        with sdpa_kernel([SDPBackend.MATH]):  # float32 throughout, the bias materialised
-            ref = torch.nn.functional.scaled_dot_product_attention(*leaves[:3], attn_mask=bias, scale=self.scale)
-        reference = (ref.detach(), *torch.autograd.grad(ref, leaves, grad_out.float()))
+        bias = self.dense_bias(kind, leaves[3], n, torch.float32, rows=rows)
+        bias = bias.masked_fill(~key_valid[:, None, None, :], float("-inf"))
+        dead = ~torch.isfinite(bias).any(-1, keepdim=True)  # a query with no key left: zeros, as the kernel gives
+        with sdpa_kernel([SDPBackend.MATH]):  # float32 throughout, the bias materialised for the checked rows
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                leaves[0][:, :, rows], *leaves[1:3], attn_mask=bias.masked_fill(dead, 0.0), scale=self.scale)
+        ref = ref.masked_fill(dead, 0.0)
+        reference = (ref.detach(), *torch.autograd.grad(ref, leaves, grad_out[:, :, rows].float()))
         errors = {}
         for name, got, want in zip(("out", "dq", "dk", "dv", "dterm"), first, reference):
             diff = (got.float() - want).abs().max().item()
             size = want.abs().max().item()
             errors[name] = dict(max_abs=diff, max_rel=diff / size if size > 0 else diff)
-        return dict(term=kind, n=n, batch=b, dtype=str(self.dtype).replace("torch.", ""), errors=errors,
+        return dict(term=kind, n=n, batch=b, rows=len(rows), padded_keys=n // 8,
+                    dtype=str(self.dtype).replace("torch.", ""), errors=errors,
                     deterministic_term_grad=bool(torch.equal(first[4], second[4])),
                     deterministic_qkv_grad=all(bool(torch.equal(x, y)) for x, y in zip(first[1:4], second[1:4])))
 
-    def run_accuracy(self, kind):
+    def run_accuracy(self, kind, n):
         if self.deadline - time.monotonic() < 3.0:
-            return dict(term=kind, status="skipped (budget)")
+            return dict(term=kind, n=n, status="skipped (budget)")
         try:
-            row = dict(status="ok") | self.accuracy(kind)
+            row = dict(status="ok") | self.accuracy(kind, n)
         except Exception as error:
-            row = dict(term=kind, status="error", error=f"{type(error).__name__}: {error}"[:500])
+            row = dict(term=kind, n=n, status="error", error=f"{type(error).__name__}: {error}"[:500])
         self.release()
-        print(f"[{time.monotonic() - self.start:6.1f} s] accuracy {LABEL[kind]:<7} {row['status']} "
+        print(f"[{time.monotonic() - self.start:6.1f} s] accuracy {LABEL[kind]:<7} n={n:<6} {row['status']} "
               f"{ {k: '%.2e' % e['max_abs'] for k, e in row.get('errors', {}).items()} } "
               f"deterministic={row.get('deterministic_term_grad')}", flush=True)
         return row
@@ -454,14 +517,15 @@ ACCURACY_BOUNDS = {"float32": dict(values=1e-4, term=1e-3), "float16": dict(valu
 def wrong_numbers(row: dict) -> list:
     """What makes an accuracy row wrong: its status, a non-finite or out-of-bounds error, a term gradient that
     differs between two identical backward runs."""
+    what = f"{LABEL[row['term']]} n={row.get('n')}"
     if row["status"] != "ok":
-        return [f"{LABEL[row['term']]}: {row['status']}"]
+        return [f"{what}: {row['status']}"]
     bounds = ACCURACY_BOUNDS[row["dtype"]]
-    wrong = [f"{LABEL[row['term']]} {name}: relative error {error['max_rel']:.2e} > "
+    wrong = [f"{what} {name}: relative error {error['max_rel']:.2e} > "
              f"{bounds['term' if name == 'dterm' else 'values']:.0e}" for name, error in row["errors"].items()
              if not error["max_rel"] <= bounds["term" if name == "dterm" else "values"]]  # nan is wrong too
     if not row["deterministic_term_grad"]:
-        wrong.append(f"{LABEL[row['term']]}: the term's gradient differs between two identical backward runs")
+        wrong.append(f"{what}: the term's gradient differs between two identical backward runs")
     return wrong
 
 
@@ -546,18 +610,20 @@ def markdown(report) -> str:
         f = lambda x: "—" if x is None else f"{x:.3g}"  # noqa: E731
         lines.append(f"| {r['n']} | {f(r['t5_over_floor'])} | {f(r['materialised_over_t5'])} | "
                      f"{f(r['flex_over_t5'])} |")
-    lines += ["", f"## Accuracy against float32 (SDPA math backend, bias materialised in float32), "
-                  f"n = {c['check_n']}, batch {c['check_batch']}", "",
-              "max |relpos_triton - reference| (relative to max |reference| in brackets); deterministic: two "
-              "backward runs bitwise equal (`torch.equal`).", "",
-              "| term | out | dq | dk | dv | d term | term grad deterministic | dq, dk, dv deterministic |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", f"## Accuracy against float32 (SDPA math backend, bias materialised in float32), batch "
+                  f"{c['check_batch']}, the second row's first n/8 keys padding", "",
+              f"At every size: the outputs of {CHECKED_ROWS} queries (the first and last half; all of them at small n) "
+              "and every gradient from them. max |relpos_triton - reference| (relative to max |reference| in "
+              "brackets); deterministic: two backward runs bitwise equal (`torch.equal`).", "",
+              "| term | n | out | dq | dk | dv | d term | term grad deterministic | dq, dk, dv deterministic |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in report["accuracy"]:
         if row["status"] != "ok":
-            lines.append(f"| {LABEL[row['term']]} | {row['status']} {row.get('error', '')} | | | | | | |")
+            lines.append(f"| {LABEL[row['term']]} | {row.get('n', '')} | {row['status']} {row.get('error', '')} "
+                         "| | | | | | |")
             continue
         e = row["errors"]
-        lines.append(f"| {LABEL[row['term']]} | " + " | ".join(
+        lines.append(f"| {LABEL[row['term']]} | {row['n']} | " + " | ".join(
             f"{e[k]['max_abs']:.2e} ({e[k]['max_rel']:.1e})" for k in ("out", "dq", "dk", "dv", "dterm"))
             + f" | {row['deterministic_term_grad']} | {row['deterministic_qkv_grad']} |")
     failed = [r for r in cases if r["status"] not in ("ok",)]
@@ -588,7 +654,7 @@ def main(argv=None) -> int:
     out = args.out or ROOT / "results"
     started = time.monotonic()
 
-    accuracy = [bench.run_accuracy(kind) for kind in KINDS]
+    accuracy = [bench.run_accuracy(kind, n) for n in bench.sizes for kind in KINDS]
     cases = []
     for n in bench.sizes:  # the core cases first, every length
         cases.append(bench.run_case("sdpa", bench.sdpa_plain, None, n))
@@ -627,7 +693,7 @@ def main(argv=None) -> int:
         versions=versions(torch),
         config=dict(dry=args.dry, dtype=str(bench.dtype).replace("torch.", ""), heads=bench.heads,
                     head_dim=bench.head_dim, tokens=bench.tokens, sizes=bench.sizes, warmup=bench.warmup,
-                    repeats=bench.repeats, check_n=bench.check_n, check_batch=bench.check_batch, R=bench.R,
+                    repeats=bench.repeats, checked_rows=CHECKED_ROWS, check_batch=bench.check_batch, R=bench.R,
                     budget_s=args.budget_s, causal=True, buckets=BUCKETS, max_distance=MAX_DISTANCE),
         seconds=round(time.monotonic() - started, 1),
         accuracy=accuracy, cases=cases, ratios=ratios(cases, bench.sizes),

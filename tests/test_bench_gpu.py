@@ -27,9 +27,10 @@ def test_dry_run_measures_every_case(tmp_path):
     assert report["config"]["dry"] and report["config"]["sizes"] == [32]
 
     accuracy = {row["term"]: row for row in report["accuracy"]}
-    assert set(accuracy) == set(KINDS)
+    assert set(accuracy) == set(KINDS) and len(report["accuracy"]) == len(KINDS)
     for kind, row in accuracy.items():
         assert row["status"] == "ok", (kind, row)
+        assert (row["n"], row["rows"], row["padded_keys"]) == (32, 32, 4), row
         for name in ("out", "dq", "dk", "dv", "dterm"):
             error = row["errors"][name]["max_abs"]
             # float32 under the interpreter: products exact, only the summation order differs
@@ -83,9 +84,66 @@ def test_a_planted_wrong_kernel_fails_the_run(plant, tmp_path, monkeypatch, caps
     monkeypatch.setattr(bench, "KINDS", ("table",))  # one term is enough to see the check decide
     monkeypatch.setattr(bench.Bench, "run_case", lambda self, method, build, kind, n, reserve_s=3.0: dict(
         method=method, term=kind, n=n, status="skipped (test)"))
-    assert bench.main(["--dry", "--out", str(tmp_path)]) == 1
+    assert bench.main(["--dry", "--out", str(tmp_path), "--sizes", "32"]) == 1
     err = capsys.readouterr().err
     assert "bench_gpu: wrong numbers: T5" in err and len(calls) == 2, err
     expected = {"off by 1%": "out: relative error", "nan": "relative error nan",
                 "nondeterministic": "differs between two identical backward runs"}[plant]
     assert expected in err, err  # (the kernel itself passes: test_dry_run_measures_every_case exits 0)
+
+
+@pytest.mark.parametrize("plant", [None, "ignores padding", "last query off"])
+def test_the_accuracy_check_covers_padding_and_rows_past_its_sample(plant, monkeypatch):
+    """At a size past the checked rows (16 of 48 here; 256 of up to 16,384 on a GPU) the reference holds those rows'
+    scores alone, and the check still passes a right kernel and fails one that ignores the padding or is wrong on
+    the last query only."""
+    import torch
+
+    import hf_relpos.triton_attention_relpos as TA
+
+    bench = _load_bench()
+    monkeypatch.setattr(bench, "CHECKED_ROWS", 16)
+    real = TA.relpos_attention
+
+    def planted(q, k, v, **kwargs):
+        if plant == "ignores padding":
+            kwargs["key_valid"] = None
+        out = real(q, k, v, **kwargs)
+        if plant == "last query off":
+            out = out + torch.where(torch.arange(out.shape[2]) == out.shape[2] - 1, 0.05, 0.0)[:, None]
+        return out
+
+    monkeypatch.setattr(TA, "relpos_attention", planted)
+    run = bench.Bench(bench.parse(["--dry", "--out", "unused", "--sizes", "48"]), torch)
+    assert run.checked_rows(48).tolist() == list(range(8)) + list(range(40, 48))
+    rows = [run.run_accuracy(kind, 48) for kind in ("table", "query_key")]
+    assert all(row["status"] == "ok" and row["rows"] == 16 for row in rows), rows
+    wrong = [line for row in rows for line in bench.wrong_numbers(row)]
+    if plant is None:
+        assert wrong == [], wrong
+    else:
+        assert any("out: relative error" in line for line in wrong), (plant, wrong)
+
+
+def test_a_case_too_big_for_the_card_is_skipped_and_a_slow_one_capped(monkeypatch):
+    """The n² methods are sized against the card's free memory before they run (skipped with the estimate, not run
+    out of memory after minutes); the others run. A case stops its steps after --case-cap-s (one timed step)."""
+    import torch
+
+    bench = _load_bench()
+    run = bench.Bench(bench.parse(["--dry", "--out", "unused", "--case-cap-s", "0"]), torch)
+    row = run.run_case("relpos_triton", run.relpos, "table", 32)
+    assert row["status"] == "ok" and row["repeats"] == 1, row
+
+    run.cuda = True  # as on a card with 1 GiB free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2**30, 80 * 2**30))
+    monkeypatch.setattr(run, "release", lambda: None)
+    measured = []
+    monkeypatch.setattr(run, "measure", lambda build, kind, n: measured.append(n) or dict(status="ok"))
+    n = 8192  # 3 x 2 bytes x 1 x 2 heads x n^2 = 0.75 GiB: over 0.85 of 1 GiB at 16,384, under it at 8,192
+    assert run.quadratic_bytes("sdpa_materialised", n) == 6 * 2 * n * n
+    assert run.run_case("sdpa_materialised", None, "table", n)["status"] == "ok" and measured == [n]
+    skipped = run.run_case("sdpa_materialised", None, "table", 2 * n)
+    assert skipped["status"] == "skipped (memory)" and "GiB" in skipped["error"] and measured == [n], skipped
+    assert run.run_case("relpos_triton", None, "table", 2 * n)["status"] == "ok"  # linear in n: not sized
+    assert measured == [n, 2 * n]
