@@ -54,7 +54,7 @@ KINDS = ("table", "linear", "log", "query_key")
 LABEL = {"table": "T5", "linear": "ALiBi", "log": "KERPLE", "query_key": "FoX", None: "none"}
 BUCKETS, MAX_DISTANCE = 32, 128
 # The queries the accuracy check compares at each size (the first and the last half of them): its float32 reference
-# holds their scores alone, so the check costs the same memory at n = 16,384 as at 1,024.
+# holds their scores alone, [2, H, 256, n] (512 MiB at n = 16,384), not the [2, H, n, n] of every query.
 CHECKED_ROWS = 256
 # A case that would materialise more than this share of the card's free memory is skipped (recorded, with its
 # estimate), rather than run out of memory after minutes; a case's steps stop once it has run CASE_CAP_S seconds.
@@ -333,11 +333,11 @@ class Bench:
             self.torch.cuda.empty_cache()
 
     def measure(self, build, kind, n):
-        """Median forward and forward+backward time and peak memory of one case; its warm-up and timed steps stop
-        once the case has run ``--case-cap-s`` seconds (at least one timed step: ``repeats`` in the row)."""
+        """Median forward and forward+backward time and peak memory of one case. After its first call (which
+        compiles), its warm-up and timed steps take at most ``--case-cap-s`` seconds: warm-up stops there, and the
+        timed steps are as many as the warm-up's pace says fit in what is left (at least one; ``repeats`` in the
+        row). The timed steps run back to back, one synchronisation after them, as before the cap."""
         torch = self.torch
-        case_start = time.perf_counter()
-        capped = lambda: time.perf_counter() - case_start > self.args.case_cap_s  # noqa: E731
         self.release()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -350,14 +350,19 @@ class Bench:
         self.sync()
         first = time.perf_counter() - started  # includes JIT / compile
         del out, grads
-        for _ in range(max(0, self.warmup - 1)):
-            if capped():
+        cap_start, pace = time.perf_counter(), first  # seconds per step: the first call's until a warm-up step
+        for done in range(max(0, self.warmup - 1)):
+            if time.perf_counter() - cap_start > self.args.case_cap_s:
                 break
+            step_start = time.perf_counter()
             grads = torch.autograd.grad(forward(), leaves, grad_out)
             del grads
             self.sync()
+            pace = time.perf_counter() - step_start
         self.sync()
         self.release()
+        left = self.args.case_cap_s - (time.perf_counter() - cap_start)
+        repeats = max(1, min(self.repeats, int(left / max(pace, 1e-6))))
         base = 0
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -365,7 +370,7 @@ class Bench:
         fwd, total = [], []
         if self.cuda:
             marks = []
-            for _ in range(self.repeats):
+            for _ in range(repeats):
                 e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                 e[0].record()
                 out = forward()
@@ -374,13 +379,11 @@ class Bench:
                 e[2].record()
                 del out, grads
                 marks.append(e)
-                torch.cuda.synchronize()  # between steps, outside the events: to read the clock for the cap
-                if capped():
-                    break
+            torch.cuda.synchronize()
             fwd = [e[0].elapsed_time(e[1]) for e in marks]
             total = [e[0].elapsed_time(e[2]) for e in marks]
         else:
-            for _ in range(self.repeats):
+            for _ in range(repeats):
                 t0 = time.perf_counter()
                 out = forward()
                 t1 = time.perf_counter()
@@ -389,8 +392,6 @@ class Bench:
                 del out
                 fwd.append(1e3 * (t1 - t0))
                 total.append(1e3 * (t2 - t0))
-                if capped():
-                    break
         row = dict(status="ok", note=note, first_call_s=round(first, 3), repeats=len(total),
                    fwd_ms=round(statistics.median(fwd), 4), fwd_bwd_ms=round(statistics.median(total), 4))
         if self.cuda:
@@ -402,13 +403,14 @@ class Bench:
 
     def quadratic_bytes(self, method, n):
         """What a method that materialises ``[B, H, n, n]`` tensors needs of them in a forward + backward (an
-        estimate from its tensors: the bias, its gradient and their masked copies; upstream T5's float32 scores,
-        softmax and their gradients); 0 for the methods linear in n."""
-        copies = {"sdpa_materialised": (3, 2), "x_transformers": (3, 2), "t5_upstream": (5, 4)}.get(method)
-        if copies is None:
-            return 0
-        count, width = copies
-        return count * width * self.batch(n) * self.heads * n * n
+        estimate from its tensors, read off the code: the bias, its gradient and their masked copies; upstream T5's
+        float32 scores, softmax and their gradients); 0 for the methods linear in n."""
+        # bytes per element of the [B, H, n, n] tensors, and of the [1, H, n, n] ones shared by the batch: the
+        # materialised bias is gathered from the float32 table ([H, n, n] float32, and its gradient), cast and
+        # masked in bf16, and its gradient from SDPA is [B, H, n, n] (as the broadcast mask's) before it is summed
+        per_batch, shared = {"sdpa_materialised": (4, 10), "x_transformers": (4, 10), "t5_upstream": (20, 8)}.get(
+            method, (0, 0))
+        return (per_batch * self.batch(n) + shared) * self.heads * n * n
 
     def run_case(self, method, build, kind, n, reserve_s=3.0):
         row = dict(method=method, term=kind, n=n, batch=self.batch(n))
@@ -440,7 +442,8 @@ class Bench:
 
     def checked_rows(self, n):
         """The queries whose outputs the accuracy check compares: the first and the last ``CHECKED_ROWS // 2``
-        (all of them at n <= CHECKED_ROWS): the first reach into the padding, the last see every key."""
+        (all of them at n <= CHECKED_ROWS). In the padded row the first are padding themselves at n >= 1,024 (no
+        key left: their zeros are checked); the last see every key, the padding keys masked among them."""
         torch, half = self.torch, CHECKED_ROWS // 2
         if n <= CHECKED_ROWS:
             return torch.arange(n, device=self.device)
@@ -592,7 +595,7 @@ def markdown(report) -> str:
         "",
         f"{c['dtype']}, causal, {c['heads']} heads of size {c['head_dim']}, batch = "
         f"{'1' if c['tokens'] is None else str(c['tokens']) + ' // n'}; medians of {c['repeats']} steps after "
-        f"{c['warmup']} warm-up. T5: {BUCKETS} buckets, max distance {MAX_DISTANCE}, R = {c['R']}. "
+        f"{c['warmup']} warm-up (fewer where a case reached its cap: see the notes). T5: {BUCKETS} buckets, max distance {MAX_DISTANCE}, R = {c['R']}. "
         f"Run time {report['seconds']:.0f} s of a {c['budget_s']:.0f} s budget."
         + (" **Dry run (CPU, Triton interpreter): the numbers mean nothing.**" if c["dry"] else ""),
         "",
@@ -633,6 +636,9 @@ def markdown(report) -> str:
             lines.append(f"- {r['method']} {LABEL[r['term']]} n = {r['n']}: {r['status']}"
                          + (f" — `{r['error']}`" if r.get("error") else ""))
     notes = sorted({(r["method"], r["note"]) for r in cases if r.get("note")})
+    notes += [(r["method"], f"{LABEL[r['term']]} n = {r['n']}: {r['repeats']} timed steps (the case's cap, "
+                            f"{c.get('case_cap_s')} s)") for r in cases
+              if r["status"] == "ok" and r.get("repeats", c["repeats"]) < c["repeats"]]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {m}: {note}" for m, note in notes]
     return "\n".join(lines) + "\n"
@@ -641,7 +647,12 @@ def markdown(report) -> str:
 def main(argv=None) -> int:
     args = parse(argv)
     if args.dry:
-        # Triton reads this when kernels are defined: before anything imports triton (torch may).
+        # Triton reads this when kernels are defined: before anything imports triton (torch may). A process that
+        # already defined them compiled (a GPU machine's test process) cannot run them on CPU tensors: say so.
+        if "hf_relpos.triton_attention_relpos" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            print("--dry needs TRITON_INTERPRET=1 before the kernels are defined: run it in a process of its own",
+                  file=sys.stderr)
+            return 2
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
@@ -694,7 +705,7 @@ def main(argv=None) -> int:
         config=dict(dry=args.dry, dtype=str(bench.dtype).replace("torch.", ""), heads=bench.heads,
                     head_dim=bench.head_dim, tokens=bench.tokens, sizes=bench.sizes, warmup=bench.warmup,
                     repeats=bench.repeats, checked_rows=CHECKED_ROWS, check_batch=bench.check_batch, R=bench.R,
-                    budget_s=args.budget_s, causal=True, buckets=BUCKETS, max_distance=MAX_DISTANCE),
+                    budget_s=args.budget_s, case_cap_s=args.case_cap_s, causal=True, buckets=BUCKETS, max_distance=MAX_DISTANCE),
         seconds=round(time.monotonic() - started, 1),
         accuracy=accuracy, cases=cases, ratios=ratios(cases, bench.sizes),
     )

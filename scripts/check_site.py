@@ -12,8 +12,9 @@ passes all of these. This script reads every page of the built site and prints o
 - code in a table cell that shows GitHub's ``\\|`` (Python-Markdown keeps a pipe inside code in a table as it is,
   backslash and all: write the text without a pipe, which both render alike);
 - an image whose source is not a file of the site;
-- in the Markdown sources (``--docs``), a list item nested by fewer than 4 spaces, which the HTML cannot show:
-  Python-Markdown makes it an item of the outer list.
+- in the Markdown sources (``--docs``), what the HTML cannot show: a list item nested by other than a multiple of
+  4 spaces (Python-Markdown makes it an item of the outer list), and a list item's later paragraph, code block or
+  comment indented by 1-3 spaces (it leaves the list).
 
     python scripts/check_site.py build/site
 
@@ -29,27 +30,32 @@ from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-LIST_ITEM = re.compile(r"\s*(?:[-*+]|\d+[.)])\s")
+# What starts a list in the middle of a paragraph on GitHub (CommonMark: a bullet, or an ordered list from 1), so
+# the author meant a list there; a wrapped line that starts "2025. " is prose in both renderers.
+LIST_ITEM = re.compile(r"\s*(?:[-*+]|1[.)])\s")
 TABLE_ROW = re.compile(r"\s*\|.*\|\s*$")
 BLOCKS = {"pre": "a code block", "table": "a table", "ul": "a list", "ol": "a list"}
 
 
 class _Page(HTMLParser):
-    """Collects each paragraph's text, the blocks opened inside a paragraph, and every image's source."""
+    """Collects each paragraph's, tight list item's and table cell's text, the blocks opened inside a paragraph, and
+    every image's source."""
 
     def __init__(self, prose: bool):
         super().__init__(convert_charrefs=True)
         self.prose = prose  # a page written in Markdown (not docstrings rendered as written)
         self.paragraph = None  # the text of the open <p>, or None outside one
-        self.items = 0  # how many <li> are open
+        self.items = []  # the text of each open <li> outside its paragraphs (a tight item's own lines)
         self.cell_code = None  # the text of a <code> open inside a table cell
-        self.cells = 0  # how many <td>/<th> are open
+        self.cells = []  # the text of each open <td>/<th>
         self.faults = []
         self.images = []
 
     def handle_starttag(self, tag, attrs):
-        self.items += tag == "li"
-        self.cells += tag in ("td", "th")
+        if tag == "li":
+            self.items.append([])
+        if tag in ("td", "th"):
+            self.cells.append([])
         if tag == "code" and self.cells:
             self.cell_code = []
         if tag == "img":
@@ -66,8 +72,14 @@ class _Page(HTMLParser):
             self.paragraph = []
 
     def handle_endtag(self, tag):
-        self.items -= tag == "li" and self.items > 0
-        self.cells -= tag in ("td", "th") and self.cells > 0
+        if tag == "li" and self.items:
+            first, *rest = "".join(self.items.pop()).split("\n")
+            if any(TABLE_ROW.match(line) for line in rest):  # a table written right under an item's first line
+                self.faults.append(f"a table row run into a list item: {first.strip()[:50]!r}")
+        if tag in ("td", "th") and self.cells:
+            text = "".join(self.cells.pop()).strip()
+            if LIST_ITEM.match(text):  # a list written right under a table: its items become rows
+                self.faults.append(f"a list item run into a table: {text[:50]!r}")
         if tag == "code" and self.cell_code is not None:
             code, self.cell_code = "".join(self.cell_code), None
             if "\\|" in code:  # GitHub's escape for a pipe in a table; Python-Markdown shows it in code as written
@@ -78,8 +90,12 @@ class _Page(HTMLParser):
     def handle_data(self, data):
         if self.cell_code is not None:
             self.cell_code.append(data)
+        if self.cells:
+            self.cells[-1].append(data)
         if self.paragraph is not None:
             self.paragraph.append(data)
+        elif self.items:
+            self.items[-1].append(data)
 
     def _close(self):
         text, self.paragraph = "".join(self.paragraph), None
@@ -115,21 +131,42 @@ def _resolves(site: Path, page: Path, source: str) -> bool:
     return target.is_file() and target.is_relative_to(site.resolve())
 
 
-NESTED_SHALLOW = re.compile(r" {1,3}(?:[-*+]|\d+[.)])\s")
+MARKER = re.compile(r"( *)(?:[-*+]|\d+[.)])\s")
 
 
 def check_sources(docs: Path) -> list:
-    """One line per list item indented by 1-3 spaces in the Markdown under ``docs``: GitHub nests it, Python-Markdown
-    needs 4 spaces and renders it as an item of the outer list (the nesting is lost without a trace in the HTML)."""
+    """One line per list the HTML cannot show as broken, in the Markdown under ``docs``: GitHub nests by 2 spaces,
+    Python-Markdown by 4, so
+
+    - a list item indented by other than a multiple of 4 spaces becomes an item of the list above it;
+    - inside a list, after a blank line, a paragraph, code block or comment indented by 1-3 spaces leaves the list
+      (the list is split in two around it)."""
     lines = []
     for page in sorted(docs.rglob("*.md")):
-        fence = None
+        fence, in_list, after_blank = None, False, False
         for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             stripped = line.strip()
+            where = f"{page.as_posix()}:{number}:"
+            indent = len(line) - len(line.lstrip(" "))
+            if fence is not None:  # inside a code block: its lines are code, only its closing fence matters
+                fence = None if stripped.startswith(fence) and stripped.strip(fence[0]) == "" else fence
+                continue
+            if not stripped:
+                after_blank = True
+                continue
+            marker = MARKER.match(line)
+            if marker and indent % 4:
+                lines.append(f"{where} a list item nested by {indent} spaces, not a multiple of 4: {stripped[:40]!r}")
+            elif not marker and in_list and after_blank and 0 < indent < 4:
+                lines.append(f"{where} a list item's paragraph, code or comment indented by {indent} spaces, "
+                             f"fewer than 4: {stripped[:40]!r}")
+            if marker:
+                in_list = True
+            elif indent == 0 and after_blank:
+                in_list = False  # a paragraph at the margin after a blank line ends the list
             if stripped.startswith(("```", "~~~")):
-                fence = None if fence and stripped.startswith(fence) else fence or stripped[:3]
-            elif fence is None and NESTED_SHALLOW.match(line):
-                lines.append(f"{page.as_posix()}:{number}: a list item nested by fewer than 4 spaces: {stripped[:40]!r}")
+                fence = stripped[:3]
+            after_blank = False
     return lines
 
 

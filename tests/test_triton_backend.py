@@ -259,7 +259,7 @@ def test_schemes_the_kernel_does_not_serve_are_refused(scheme):
 
 def test_a_sliding_window_is_refused():
     with pytest.raises(ValueError, match=r"relpos_triton' has no sliding window, got sliding_window=4"):
-        build("alibi", impl=TRITON, sliding_window=4)
+        build("alibi", impl=TRITON, device=DEVICE, sliding_window=4)
 
 
 def test_attention_dropout_in_training_is_refused():
