@@ -35,6 +35,7 @@ import torch.utils.checkpoint
 from torch.autograd.function import once_differentiable
 
 from .attention_utils_relpos import _additive_mask, _causal_pattern, _exporting, _is_zero, _rel_shift
+from .denormals_relpos import flushing_denormals
 
 __all__ = [
     "fused_bias_applies",
@@ -102,6 +103,7 @@ class _AttentionWithBias(torch.autograd.Function):
     """
 
     @staticmethod
+    @flushing_denormals
     def forward(ctx, q, k, v, bias, scale, chunk_size):
         out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias.detach(), scale=scale)
         ctx.save_for_backward(q, k, v, bias, out, lse)
@@ -109,6 +111,7 @@ class _AttentionWithBias(torch.autograd.Function):
         return out
 
     @staticmethod
+    @flushing_denormals
     def backward(ctx, grad_out):
         q, k, v, bias, out, lse = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk_size
@@ -285,6 +288,7 @@ class _BandedAttention(torch.autograd.Function):
     """
 
     @staticmethod
+    @flushing_denormals
     def forward(ctx, q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, pass_rows):
         with torch.autocast(q.device.type, enabled=False):  # the band in float32 whatever autocast asks
             return _BandedAttention._forward(
@@ -357,6 +361,7 @@ class _BandedAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the fused kernel's backward has no derivative of its own
+    @flushing_denormals
     def backward(ctx, grad_out):
         with torch.autocast(grad_out.device.type, enabled=False):
             return _BandedAttention._backward(ctx, grad_out)
@@ -712,6 +717,7 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
         return parts
 
     @staticmethod
+    @flushing_denormals
     def forward(ctx, q, k, v, key_bias, keys, scale, chunk, span):
         work = torch.promote_types(q.dtype, torch.float32)
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=work)
@@ -738,6 +744,7 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @flushing_denormals
     def backward(ctx, grad_out):
         q, k, v, key_bias, keys, out, lse = ctx.saved_tensors
         grad_bias = ctx.needs_input_grad[3]

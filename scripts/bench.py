@@ -35,6 +35,11 @@ SCHEMES = ["rope", "t5_bias", "shaw", "transformer_xl", "log_decay", "alibi", "s
 CAUSAL_ONLY = ("fire", "nope", "fox")  # hf_relpos.configuration_relpos.CAUSAL_ONLY: timed in the causal sections only
 UPSTREAM = "upstream_t5"
 SIZE = dict(hidden_size=512, num_attention_heads=8, num_hidden_layers=2, intermediate_size=2048)
+DTYPE = torch.float32  # --dtype: every contender's weights (and so its activations) in this dtype
+
+
+def _dtype_flag() -> str:
+    return "bf16" if DTYPE == torch.bfloat16 else "fp32"
 
 
 def build(name: str, causal: bool = False, head: bool = False):
@@ -47,13 +52,13 @@ def build(name: str, causal: bool = False, head: bool = False):
             vocab_size=1024, d_model=512, d_kv=64, num_heads=8, num_layers=2, d_ff=2048, dropout_rate=0.0,
             relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="relu",
         )
-        return T5EncoderModel(config).train()
+        return T5EncoderModel(config).to(DTYPE).train()
     from hf_relpos import RelPosConfig, RelPosForCausalLM, RelPosModel
 
     config = RelPosConfig(
         position_encoding=name, vocab_size=1024, max_position_embeddings=8192, is_decoder=causal, **SIZE
     )
-    return (RelPosForCausalLM(config) if head else RelPosModel(config)).train()
+    return (RelPosForCausalLM(config) if head else RelPosModel(config)).to(DTYPE).train()
 
 
 def step(model, ids, mode: str, mask=None) -> None:
@@ -110,7 +115,7 @@ def peak_memory_child(name: str, n: int, batch: int) -> None:
 
 def peak_memory(name: str, n: int, batch: int) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child-memory", name, str(n), str(batch)],
+        [sys.executable, __file__, "--child-memory", name, str(n), str(batch), "--dtype", _dtype_flag()],
         capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -193,6 +198,11 @@ S2S_LABELS = {
 
 
 def build_seq2seq(name: str, vocab: int, same_weights: bool = True):
+    """``_build_seq2seq`` in --dtype."""
+    return _build_seq2seq(name, vocab, same_weights).to(DTYPE)
+
+
+def _build_seq2seq(name: str, vocab: int, same_weights: bool = True):
     """A seq2seq contender, T5-small-like with 2 encoder and 2 decoder layers (T5 v1.0: ReLU, tied and rescaled
     output layer). Every contender holds the same seed-0 upstream weights: ``from_t5`` converts them (the same
     function), ``rope`` loads them with rotary positions in place of the bias tables (plain fused SDPA).
@@ -282,7 +292,8 @@ def seq2seq_memory_child(name: str, vocab: int, batch: int, source: int, target:
 
 def seq2seq_memory(name: str, vocab: int, batch: int, source: int, target: int) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child-seq2seq-memory", name, str(vocab), str(batch), str(source), str(target)],
+        [sys.executable, __file__, "--child-seq2seq-memory", name, str(vocab), str(batch), str(source), str(target),
+         "--dtype", _dtype_flag()],
         capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -340,7 +351,7 @@ def seq2seq_report(args, training: dict, memory: dict, decoding: dict) -> list:
     lines = [
         "## Seq2seq: upstream T5 against its hf_relpos conversion", "",
         "A T5-small-like encoder-decoder with 2 encoder and 2 decoder layers (d_model 512, 8 heads, d_kv 64, "
-        "d_ff 2048, ReLU, 32 buckets, max_distance 128, T5 v1.0's tied output layer, dropout 0), fp32. "
+        f"d_ff 2048, ReLU, 32 buckets, max_distance 128, T5 v1.0's tied output layer, dropout 0), {_dtype_flag()}. "
         "Every contender holds the same seed-0 upstream weights: `hf_relpos.from_t5` converts them (the same "
         "function: the same loss and greedy tokens); `rope` is `RelPosForConditionalGeneration` with "
         "`position_encoding=\"rope\"` and the same weights but for the bias tables (plain fused SDPA, the floor). "
@@ -415,10 +426,25 @@ def run_seq2seq(args) -> list:
     return seq2seq_report(args, training, memory, decoding)
 
 
+def cpu_name() -> str:
+    """The CPU's model name and the vector extensions that decide its kernels (AVX2, AVX-512, its bf16, AMX), from
+    /proc/cpuinfo (Linux); the platform's processor string elsewhere."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    names = [("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX-BF16")]
+    found = [name for flag, name in names if flag in flags]
+    return f"{fields.get('model name', platform.machine())} ({', '.join(found) or 'no AVX2'})"
+
+
 def machine_line(threads: int) -> str:
     """Date, torch version and machine, for the header of a results file."""
     return (f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}; "
-            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads} threads")
+            f"{cpu_name()}, {os.cpu_count()} cores, {threads} threads; {str(DTYPE).replace('torch.', '')}")
 
 
 def load_line(load_start: float) -> str:
@@ -445,6 +471,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the models' weights and activations (bf16: AMX's or AVX-512 BF16's kernels where the CPU "
+                             "has them)")
     parser.add_argument("--quick", action="store_true",
                         help="n=512, contexts 256/1024, 3 repeats; seq2seq: source 512, target 128, vocab 1024")
     parser.add_argument("--output", help="default results/bench-cpu.md (--seq2seq: results/bench-cpu-seq2seq.md)")
@@ -465,6 +494,8 @@ def main() -> None:
     parser.add_argument("--child-seq2seq-memory", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    global DTYPE
+    DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     if args.child_memory:
         name, n, batch = args.child_memory
         return peak_memory_child(name, int(n), int(batch))
@@ -518,7 +549,7 @@ def main() -> None:
         "# CPU benchmark",
         "",
         f"Command: `python scripts/bench.py {' '.join(sys.argv[1:])}`  ",
-        f"{machine_line(args.threads)}; batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048, fp32; "
+        f"{machine_line(args.threads)}; batch {args.batch}, hidden 512, 8 heads, 2 layers, intermediate 2048; "
         f"medians of {args.repeats} interleaved runs after a warm-up."
         + (" **Padded batch**: the last row's final quarter is padding (attention_mask)." if args.padded else "")
         + f" {load_line(load_start)}.",
