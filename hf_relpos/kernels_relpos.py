@@ -199,63 +199,74 @@ class _Band:
     """Scores and values inside the band ``|j - i| <= reach`` for the query rows ``rows`` (self-attention,
     ``past_length = 0``).
 
-    Query rows go in blocks of ``block``; each block meets the ``block + 2·reach`` keys its rows can
-    reach in one matmul, and :func:`_diagonals` keeps each row's ``2·reach + 1`` band entries, so the
-    band costs ``O(n·(block + 2·reach)·D)`` with no ``[.., q, k, D]`` tensor. Band slot ``t`` holds key
-    ``j = i - reach + t`` (distance ``t - reach``), which is slot ``t + 1`` of the per-distance tables.
-    ``keys`` (bool ``[B|1, H|1, n]``, True = may attend) masks keys, as padding does.
+    Query rows go in blocks of ``block``; each block meets the ``block + width - 1`` keys its rows can
+    reach in one matmul, and :func:`_diagonals` keeps each row's ``width`` band entries (``2·reach + 1``;
+    ``reach + 1`` when causal, which has no keys to the right), so the band costs
+    ``O(n·(block + width)·D)`` with no ``[.., q, k, D]`` tensor. Band slot ``t`` holds key
+    ``j = i - reach + t`` (distance ``t - reach``), which is slot ``t + 1`` of the per-distance tables
+    (``self.slots``). ``keys`` (bool ``[B|1, H|1, n]``, True = may attend) masks keys, as padding does.
     """
 
     def __init__(self, n: int, reach: int, causal: bool, block: int, device, keys: Optional[torch.Tensor] = None,
                  rows: Optional[tuple] = None):
         self.n, self.reach, self.block = n, reach, block
         self.start, self.stop = rows if rows is not None else (0, n)
-        self.width = 2 * reach + 1
+        self.width = reach + 1 if causal else 2 * reach + 1
+        self.slots = slice(1, 1 + self.width)  # the band's distances -reach .. (0 or reach) in a per-distance table
         t = torch.arange(self.width, device=device)
         j = torch.arange(self.start, self.stop, device=device)[:, None] - reach + t
         valid = (j >= 0) & (j < n)
-        if causal:
-            valid &= t <= reach
         if keys is not None:  # each row's band slots read the key mask through the same sliding window
-            window = F.pad(keys, (reach, reach), value=False).unfold(-1, self.width, 1)
+            window = F.pad(keys, (reach, reach), value=False).unfold(-1, 2 * reach + 1, 1)[..., : self.width]
             valid = valid & window[..., self.start : self.stop, :]
         self.invalid = ~valid  # [rows, width] or [B|1, H|1, rows, width]
 
+    @property
+    def key_range(self) -> tuple:
+        """``(lo, hi)``: the keys the band's rows reach, ``k[:, :, lo:hi]``."""
+        span = self.block + self.width - 1
+        first = self.start - self.reach  # the key row the first block's window starts at
+        blocks = -(-(self.stop - self.start) // self.block)
+        last = first + (blocks - 1) * self.block + span  # one past the last window's end
+        return max(first, 0), min(last, self.n)
+
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, H, n, ..] -> [B, H, rows/block, block, ..]``, the band's rows (zero rows past them)."""
-        x = x[:, :, self.start : self.stop]
+        """``[B, H, rows, ..] -> [B, H, rows/block, block, ..]``, the band's rows (zero rows past them)."""
         x = F.pad(x, (0, 0, 0, -x.shape[2] % self.block))
         return x.view(*x.shape[:2], -1, self.block, x.shape[-1])
 
     def _key_windows(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, H, n, D] -> [B, H, rows/block, D, block + 2·reach]``: the keys ``b·block - reach ..`` each
-        block of the band's rows can reach (zero rows outside the sequence), a view of one padded copy."""
-        first = self.start - self.reach  # the key row the first block's window starts at
-        last = self.start + -(-(self.stop - self.start) // self.block) * self.block + self.reach  # one past the end
-        x = x[:, :, max(first, 0) : min(last, self.n)]
+        """``k[:, :, lo:hi]`` (``key_range``) ``-> [B, H, rows/block, D, block + width - 1]``: the keys
+        ``b·block - reach ..`` each block of the band's rows can reach (zero rows outside the sequence), a view of
+        one padded copy."""
+        span = self.block + self.width - 1
+        first = self.start - self.reach
+        last = first + (-(-(self.stop - self.start) // self.block) - 1) * self.block + span
         padded = F.pad(x, (0, 0, max(0, -first), max(0, last - self.n)))
-        return padded.unfold(2, self.block + 2 * self.reach, self.block)
+        return padded.unfold(2, span, self.block)
 
     def scores(self, q, k, rel_k, bias, scale):
-        """``[B, H, rows, 2·reach+1]``: ``(q_i·k_j + q_i·rel_k[d]) · scale + bias[h, d]``, ``-inf`` outside the sequence."""
+        """``[B, H, rows, width]``: ``(q_i·k_j + q_i·rel_k[d]) · scale + bias[h, d]``, ``-inf`` outside the sequence;
+        ``q`` the band's rows ``q[:, :, start:stop]``, ``k`` its keys ``k[:, :, lo:hi]`` (``key_range``)."""
         rows = self.stop - self.start
         full = self._blocks(q) @ self._key_windows(k)
         band = _diagonals(full, self.width).flatten(2, 3)[:, :, :rows]
         if rel_k is not None:
-            band = band + q[:, :, self.start : self.stop] @ rel_k[1:-1].transpose(0, 1)
+            band = band + q @ rel_k[self.slots].transpose(0, 1)
         band = band * scale
         if bias is not None:
-            band = band + bias[:, None, 1:-1]
+            band = band + bias[:, None, self.slots]
         return band.masked_fill(self.invalid, float("-inf"))
 
     def values(self, probs, v, rel_v):
-        """``Σ_t probs[.., i, t] · (v_j + rel_v[d])`` for the band's rows (``probs`` holds only them) -> ``[B, H, rows, D]``."""
+        """``Σ_t probs[.., i, t] · (v_j + rel_v[d])`` for the band's rows (``probs`` holds only them; ``v`` its keys'
+        values ``v[:, :, lo:hi]``) -> ``[B, H, rows, D]``."""
         rows = self.stop - self.start
         padded = F.pad(probs, (0, 0, 0, -rows % self.block))
         full = _undiagonals(padded.view(*padded.shape[:2], -1, self.block, padded.shape[-1]))
         out = (full @ self._key_windows(v).transpose(-1, -2)).flatten(2, 3)[:, :, :rows]
         if rel_v is not None:
-            out = out + probs @ rel_v[1:-1]
+            out = out + probs @ rel_v[self.slots]
         return out
 
 
@@ -304,9 +315,10 @@ class _BandedAttention(torch.autograd.Function):
         out, lse = q.new_empty(*q.shape[:3], v.shape[-1], dtype=work), q.new_empty(q.shape[:3], dtype=work)
         for start, stop in _row_chunks(n, pass_rows):
             band = _Band(n, reach, causal, block, q.device, keys, (start, stop))
-            s = band.scores(qw, kw, rel_kw, biasw, scale)
+            lo, hi = band.key_range
+            s = band.scores(qw[:, :, start:stop], kw[:, :, lo:hi], rel_kw, biasw, scale)
             rows_lse = torch.logsumexp(s, dim=-1)  # -inf only for a row whose band keys are all masked
-            out[:, :, start:stop] = band.values(torch.exp(s - _finite(rows_lse)[..., None]), vw, rel_vw)
+            out[:, :, start:stop] = band.values(torch.exp(s - _finite(rows_lse)[..., None]), vw[:, :, lo:hi], rel_vw)
             lse[:, :, start:stop] = rows_lse
             del s
         parts = []
@@ -378,21 +390,32 @@ class _BandedAttention(torch.autograd.Function):
         # P = exp(s - lse) and delta_i = dO_i·O_i, the surrogate Σ dO·(P V') - Σ_i delta_i Σ_t P_it
         # has d/ds = P ⊙ (dO·v' - delta), the softmax gradient.
         n = q.shape[2]
-        leaves = [None if t is None else t.detach().to(work).requires_grad_() for t in (q, k, v, rel_k, rel_v, bias)]
-        wanted = [t for t in leaves if t is not None]
-        sums = None
+        qw, kw, vw = q.detach().to(work), k.detach().to(work), v.detach().to(work)
+        tables = [None if t is None else t.detach().to(work).requires_grad_() for t in (rel_k, rel_v, bias)]
+        dq, dk, dv = torch.zeros_like(qw), torch.zeros_like(kw), torch.zeros_like(vw)
+        table_sums = [None if t is None else torch.zeros_like(t) for t in tables]
         for start, stop in _row_chunks(n, ctx.pass_rows):  # a pass at a time keeps the recomputed band's graph small
             rows = slice(start, stop)
+            band = _Band(n, reach, causal, ctx.block, q.device, keys, (start, stop))
+            lo, hi = band.key_range
+            # the pass's own rows, keys and values as leaves: gradients of their size, not of the whole sequence
+            pass_leaves = [x.detach().requires_grad_() for x in (qw[:, :, rows], kw[:, :, lo:hi], vw[:, :, lo:hi])]
+            wanted = pass_leaves + [t for t in tables if t is not None]
             with torch.enable_grad():
-                band = _Band(n, reach, causal, ctx.block, q.device, keys, (start, stop))
-                probs = torch.exp(band.scores(leaves[0], leaves[1], leaves[3], leaves[5], scale) - lse[:, :, rows, None])
-                surrogate = (band.values(probs, leaves[2], leaves[4]) * g[:, :, rows]).sum()
+                probs = torch.exp(band.scores(pass_leaves[0], pass_leaves[1], tables[0], tables[2], scale)
+                                  - lse[:, :, rows, None])
+                surrogate = (band.values(probs, pass_leaves[2], tables[1]) * g[:, :, rows]).sum()
                 surrogate = surrogate - (probs.sum(-1) * delta[:, :, rows]).sum()
                 grads = torch.autograd.grad(surrogate, wanted, allow_unused=True)
-            grads = [torch.zeros_like(t) if d is None else d for d, t in zip(grads, wanted)]
-            sums = grads if sums is None else [a.add_(b) for a, b in zip(sums, grads)]
-        found = iter(sums)
-        dq, dk, dv, drel_k, drel_v, dbias = (None if t is None else next(found) for t in leaves)
+            for total, part in zip((dq[:, :, rows], dk[:, :, lo:hi], dv[:, :, lo:hi]), grads[:3]):
+                if part is not None:
+                    total += part
+            found = iter(grads[3:])
+            for total in table_sums:
+                part = None if total is None else next(found)
+                if part is not None:
+                    total += part
+        drel_k, drel_v, dbias = table_sums
         for number, side in enumerate(_BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal)):
             rows, flip, first = side["rows"], side["unflip"], reach + 1
             sq, sk, sv = side["qkv"]
