@@ -15,7 +15,6 @@ before the first layer, with Transformers' mask functions; the forward asks the 
 (one for every layer, or one per layer where the scheme has per-layer tables) and hands each layer its own.
 """
 
-import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Optional
@@ -23,7 +22,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
@@ -39,12 +37,13 @@ from transformers.processing_utils import Unpack
 from transformers.utils.generic import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .adaptive_softmax_relpos import AdaptiveEmbedding, AdaptiveProjection, ProjectedAdaptiveLogSoftmax, tied_names
+from .adaptive_softmax_relpos import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax, tied_names
 from .attention_backends_relpos import TRITON, cross_attention, triton_refusal
 from .configuration_relpos import RelPosConfig
 from .feed_forward_relpos import RelPosMLP, RelPosRMSNorm, make_norm
 from .flex_backend_relpos import flex_refusal
 from .generation_relpos import CausalLMGenerationMixin, Seq2SeqGenerationMixin
+from .initialization_relpos import init_module, mark_t5_init
 from .inputs_relpos import (
     CACHE_FIELD,
     CAUSAL_LOSS_KWARGS,
@@ -104,20 +103,6 @@ def attention_scaling(config: RelPosConfig) -> float:
     """The factor of ``q·k``: ``config.attention_scale``, or ``1/sqrt(head_dim)`` (Vaswani et al. 2017, eq. 1)
     when None; T5 attends without it (1.0)."""
     return config.head_dim**-0.5 if config.attention_scale is None else float(config.attention_scale)
-
-
-def t5_init_stds(config: RelPosConfig) -> dict:
-    """T5's initialisation (Mesh TensorFlow; Transformers' ``T5PreTrainedModel._init_weights``) by module name,
-    with T5's ``initializer_factor`` as ``initializer_range / 0.02``: each projection at its fan-in's std (the
-    query's also over ``head_dim``, as T5 attends without ``1/sqrt(head_dim)``), token tables and the output
-    layer at 1.0."""
-    factor = config.initializer_range / 0.02
-    model, inner = config.hidden_size, config.num_attention_heads * config.head_dim
-    stds = {"q_proj": (model * config.head_dim) ** -0.5, "k_proj": model**-0.5, "v_proj": model**-0.5,
-            "o_proj": inner**-0.5, "gate_proj": model**-0.5, "up_proj": model**-0.5,
-            "down_proj": config.intermediate_size**-0.5, "relative_attention_bias": model**-0.5,
-            "embed_tokens": 1.0, "shared": 1.0, "lm_head": 1.0}
-    return {name: factor * std for name, std in stds.items()}
 
 
 class RelPosAttention(nn.Module):
@@ -327,44 +312,16 @@ class RelPosPreTrainedModel(PreTrainedModel):
         return POSITION_SCHEMES[self.config.position_encoding].context_parallel and self.config.sliding_window is None
 
     def post_init(self):
-        """With ``initialization="t5"``, each module T5 initialises its own way gets its std (``t5_init_stds``)
-        before Transformers initialises the weights."""
+        """With ``initialization="t5"``, each module T5 initialises its own way gets its std before Transformers
+        initialises the weights (``initialization_relpos.mark_t5_init``)."""
         if self.config.initialization == "t5":
-            stds = t5_init_stds(self.config)
-            for name, module in self.named_modules():
-                if name.rpartition(".")[2] in stds:
-                    module.init_std = stds[name.rpartition(".")[2]]
-                elif isinstance(module, RelPosRMSNorm):  # T5 starts its norms' scales at its factor
-                    module.init_value = self.config.initializer_range / 0.02
+            mark_t5_init(self, self.config)
         super().post_init()
 
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear) and getattr(module, "torch_default_init", False):
-            init.kaiming_uniform_(module.weight, a=math.sqrt(5))  # nn.Linear.reset_parameters
-            bound = 1 / math.sqrt(module.in_features)
-            if module.bias is not None:
-                init.uniform_(module.bias, -bound, bound)
-        elif isinstance(module, (nn.Linear,)):
-            init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))
-        elif isinstance(module, RelPosRMSNorm):
-            init.constant_(module.weight, getattr(module, "init_value", 1.0))
-        elif isinstance(module, nn.LayerNorm):
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
-        elif isinstance(module, AdaptiveProjection):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, ProjectedAdaptiveLogSoftmax) and hasattr(module, "cluster_weight"):
-            init.normal_(module.cluster_weight, mean=0.0, std=std)
-            init.zeros_(module.cluster_bias)
-        elif hasattr(module, "init_position_weights"):  # a scheme's own parameters (position_schemes_relpos.py)
-            module.init_position_weights(std)
+        init_module(module, self.config.initializer_range)
 
     def resize_token_embeddings(self, *args, **kwargs):
         if self.config.cutoffs is not None:
