@@ -94,6 +94,9 @@ class PositionScheme(nn.Module):
     context_parallel: bool = False
     # Whether the model takes a segment memory (``mems``, Transformer-XL's) where the config's mem_len > 0.
     takes_memory: bool = False
+    # Whether ``generate`` may compile the decoding step on its own (Transformers' automatic compile with a static
+    # cache on a GPU): False where a compiled step is slower than eager's, which keeps work between steps.
+    compiles_decoding: bool = True
 
     @staticmethod
     def continuous_batching_refusal(config: RelPosConfig) -> Optional[str]:
@@ -631,6 +634,9 @@ class TransformerXLScheme(PositionScheme):
         (r"r_[wr]_bias", (("num_attention_heads",), ("head_dim",))),
     )
     takes_memory = True  # Dai et al.'s segment memory (``mems``), where mem_len > 0
+    # Eager decoding keeps each cache slot's W_{k,R}·R between steps; a compiled step projects them all again, at
+    # 0.42x eager's tokens/s at a context of 1,024 (results/bench-cpu-compiled.md): generate stays eager.
+    compiles_decoding = False
     score_form = None
     score_refusal = (
         "Transformer-XL's position term multiplies each query (plus v) with a projected sinusoid of each distance, "
