@@ -452,14 +452,11 @@ def model_config(task: str, scheme: str, preset: str, train_length: int, items: 
                         eos_token_id=lg.EOS_ID, bos_token_id=None, **{**PRESETS[preset], **extra})
 
 
-def exact_match(model, instances, batch_size: int = 128) -> tuple[list, list]:
-    """Whether greedy decoding from each instance's prompt gives its answer and then the end-of-sequence, and the
-    fraction of its answer tokens predicted right: one teacher-forced forward per batch. Greedy decoding is exact
-    iff the argmax at every answer position (and at the end-of-sequence) is the gold token, since each greedy step
-    then sees the gold prefix (tests/test_lengthgen.py checks it against ``generate``)."""
+def _answers(model, instances, batch_size: int = 128):
+    """For each instance, ``(predicted, gold)``: the teacher-forced argmax at each answer position (and at the
+    end-of-sequence) and the gold tokens there, one forward per batch of ``batch_size``."""
     import torch
 
-    exact, tokens = [], []
     with torch.no_grad():
         for start in range(0, len(instances), batch_size):
             chunk = instances[start : start + batch_size]
@@ -467,9 +464,19 @@ def exact_match(model, instances, batch_size: int = 128) -> tuple[list, list]:
             predicted = model(input_ids=batch["input_ids"], use_cache=False).logits.argmax(-1)
             for row, instance in enumerate(chunk):
                 begin, end = instance.answer_start, len(instance.ids)
-                right = predicted[row, begin - 1 : end - 1] == batch["input_ids"][row, begin:end]
-                exact.append(bool(right.all()))
-                tokens.append(float(right.float().mean()))
+                yield predicted[row, begin - 1 : end - 1], batch["input_ids"][row, begin:end]
+
+
+def exact_match(model, instances, batch_size: int = 128) -> tuple[list, list]:
+    """Whether greedy decoding from each instance's prompt gives its answer and then the end-of-sequence, and the
+    fraction of its answer tokens predicted right: one teacher-forced forward per batch. Greedy decoding is exact
+    iff the argmax at every answer position (and at the end-of-sequence) is the gold token, since each greedy step
+    then sees the gold prefix (tests/test_lengthgen.py checks it against ``generate``)."""
+    exact, tokens = [], []
+    for predicted, gold in _answers(model, instances, batch_size):
+        right = predicted == gold
+        exact.append(bool(right.all()))
+        tokens.append(float(right.float().mean()))
     return exact, tokens
 
 
@@ -571,28 +578,19 @@ def failure_kinds(model, instances, batch_size: int = 128) -> list:
     ``exact_match`` reads it (teacher-forced argmax: greedy's first divergence): the end-of-sequence where an item
     is due ("stops early"), an item where the end-of-sequence is due ("does not stop"), another item ("wrong
     item")."""
-    import torch
-
     kinds = []
-    with torch.no_grad():
-        for start in range(0, len(instances), batch_size):
-            chunk = instances[start : start + batch_size]
-            batch = collate(chunk)
-            predicted = model(input_ids=batch["input_ids"], use_cache=False).logits.argmax(-1)
-            for row, instance in enumerate(chunk):
-                begin, end = instance.answer_start, len(instance.ids)
-                gold = batch["input_ids"][row, begin:end]
-                wrong = (predicted[row, begin - 1 : end - 1] != gold).nonzero()
-                if not len(wrong):
-                    kinds.append(None)
-                    continue
-                first = int(wrong[0])
-                if int(gold[first]) == lg.EOS_ID:
-                    kinds.append("does not stop")
-                elif int(predicted[row, begin - 1 + first]) == lg.EOS_ID:
-                    kinds.append("stops early")
-                else:
-                    kinds.append("wrong item")
+    for predicted, gold in _answers(model, instances, batch_size):
+        wrong = (predicted != gold).nonzero()
+        if not len(wrong):
+            kinds.append(None)
+            continue
+        first = int(wrong[0])
+        if int(gold[first]) == lg.EOS_ID:
+            kinds.append("does not stop")
+        elif int(predicted[first]) == lg.EOS_ID:
+            kinds.append("stops early")
+        else:
+            kinds.append("wrong item")
     return kinds
 
 
