@@ -92,9 +92,7 @@ class FolderGenerationState(GenerationState):
 
 class FolderCompletionHandler(RequestChecks, CompletionHandler):
     async def handle_request(self, body: dict, request_id: str):
-        self._validate_request(body)
-        self.check(body)
-        self.check_completion(body)
+        self.check_completion_request(body)
         return await super().handle_request(body, request_id)
 
     def _build_generation_config(self, body, model_generation_config, use_cb=False):
@@ -105,11 +103,7 @@ class FolderChatCompletionHandler(RequestChecks, ChatCompletionHandler):
     token_fields = ("max_tokens", "max_completion_tokens")
 
     async def handle_request(self, body: dict, request_id: str):
-        self._validate_request(body)
-        self.check(body)
-        prompt_length = self.check_chat(body, Modality.LLM)
-        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        self.fit(body, prompt_length, field, prompt="messages")
+        self.check_chat_request(body, Modality.LLM)
         return await super().handle_request(body, request_id)
 
     def _build_generation_config(self, body, model_generation_config, use_cb=False):

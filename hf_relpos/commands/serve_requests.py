@@ -184,6 +184,22 @@ class RequestChecks:
                    "messages", "invalid_value")
         return len(ids["input_ids"])
 
+    def check_completion_request(self, body: dict) -> None:
+        """All a completion request is checked for before Transformers' handler takes it (a 4xx at the first
+        fault): Transformers' own validation, the fields, the prompt and what fits."""
+        self._validate_request(body)
+        self.check(body)
+        self.check_completion(body)
+
+    def check_chat_request(self, body: dict, modality) -> None:
+        """All a chat request is checked for before Transformers' handler takes it: Transformers' own validation,
+        the fields, the messages as the template renders them, and what fits."""
+        self._validate_request(body)
+        self.check(body)
+        prompt_length = self.check_chat(body, modality)
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        self.fit(body, prompt_length, field, prompt="messages")
+
     def check_completion(self, body: dict) -> None:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
