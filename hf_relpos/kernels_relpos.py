@@ -35,7 +35,7 @@ import torch.utils.checkpoint
 from torch.autograd.function import once_differentiable
 
 from .attention_utils_relpos import _additive_mask, _causal_pattern, _exporting, _is_zero, _rel_shift
-from .denormals_relpos import flushing_denormals
+from .denormals_relpos import flush_denormals, flushing_denormals
 
 __all__ = [
     "fused_bias_applies",
@@ -111,9 +111,14 @@ class _AttentionWithBias(torch.autograd.Function):
         return out
 
     @staticmethod
-    @flushing_denormals
     def backward(ctx, grad_out):
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
+        with flush_denormals():
+            return _AttentionWithBias._backward(ctx, saved, grad_out)
+
+    @staticmethod
+    def _backward(ctx, saved, grad_out):
+        q, k, v, bias, out, lse = saved
         scale, chunk = ctx.scale, ctx.chunk_size
         work = torch.promote_types(q.dtype, torch.float32)
         qs, kf, vf, gf = (q.to(work) * scale), k.to(work), v.to(work), grad_out.to(work)
@@ -373,14 +378,14 @@ class _BandedAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the fused kernel's backward has no derivative of its own
-    @flushing_denormals
     def backward(ctx, grad_out):
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _BandedAttention._backward(ctx, grad_out)
+        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
+        with torch.autocast(grad_out.device.type, enabled=False), flush_denormals():
+            return _BandedAttention._backward(ctx, saved, grad_out)
 
     @staticmethod
-    def _backward(ctx, grad_out):
-        q, k, v, rel_k, rel_v, bias, keys, out, lse, *parts = ctx.saved_tensors
+    def _backward(ctx, saved, grad_out):
+        q, k, v, rel_k, rel_v, bias, keys, out, lse, *parts = saved
         reach, causal, scale = ctx.reach, ctx.causal, ctx.scale
         work = torch.promote_types(q.dtype, torch.float32)
         grad_out = grad_out.contiguous()
@@ -462,6 +467,9 @@ def _banded_applies(q, k, v, reach, attention_mask, past_length, dropout_p, min_
     n = q.shape[2]
     return (
         not _exporting()
+        # a traced training step: the band's backward differentiates its recomputed band with torch.autograd.grad,
+        # which Dynamo does not trace (fullgraph=True fails); the exact dense path runs there instead
+        and not (torch.compiler.is_compiling() and torch.is_grad_enabled())
         and q.device.type == "cpu"
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)
         and _is_zero(past_length)
@@ -767,9 +775,14 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    @flushing_denormals
     def backward(ctx, grad_out):
-        q, k, v, key_bias, keys, out, lse = ctx.saved_tensors
+        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
+        with flush_denormals():
+            return _CausalKeyBiasAttention._backward(ctx, saved, grad_out)
+
+    @staticmethod
+    def _backward(ctx, saved, grad_out):
+        q, k, v, key_bias, keys, out, lse = saved
         grad_bias = ctx.needs_input_grad[3]
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

@@ -282,3 +282,67 @@ def test_passes_over_the_band_do_not_change_the_result(band):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def _band_oracle(q, k, v, rel_k, rel_v, bias, reach, keys, causal, scale):
+    """float64, from the definition: every term of the clipped distance clamp(j - i, -(reach+1), reach+1), a full
+    [n, n] softmax with causality and the key mask, zeros for a row with no key."""
+    n = q.shape[2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    idx = (j - i).clamp(-reach - 1, reach + 1) + reach + 1
+    s = q @ k.transpose(-1, -2)
+    if rel_k is not None:
+        s = s + torch.einsum("bhid,ijd->bhij", q, rel_k[idx])
+    s = s * scale
+    if bias is not None:
+        s = s + bias[:, idx]
+    hidden = (j > i) if causal else torch.zeros(n, n, dtype=torch.bool)
+    hidden = hidden.expand(q.shape[0], q.shape[1], n, n)
+    if keys is not None:
+        hidden = hidden | ~keys[..., None, :]
+    p = torch.softmax(s.masked_fill(hidden, float("-inf")), -1).nan_to_num(0.0)
+    out = p @ v
+    return out if rel_v is None else out + torch.einsum("bhij,ijd->bhid", p, rel_v[idx])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_band_against_its_definition_over_random_shapes(seed):
+    """The band decomposition (every term: Shaw's rel_k and rel_v, a per-distance bias) against the float64
+    definition, values and every gradient, over random shapes: causal and not, a reach wider than a pass, blocks
+    that do not divide the rows, passes that overlap in their key windows, padding on either side (review)."""
+    import math
+    import random
+
+    from hf_relpos import kernels_relpos
+
+    rng = random.Random(seed)
+    for trial in range(12):
+        B, H, D = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([3, 4])
+        reach = rng.choice([0, 1, 2, 3, 5, 9, 17])
+        n = rng.randint(reach + 2, 70)
+        block, rows = rng.choice([1, 3, 4, 7, 16, 64]), rng.choice([1, 2, 5, 8, 13, 100])
+        causal, kind = rng.random() < 0.6, rng.choice(["shaw", "shaw_k", "bias", "all"])
+        g = torch.Generator().manual_seed(100 * seed + trial)
+        q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        table = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+        rel_k = table(2 * reach + 3, D) if kind in ("shaw", "shaw_k", "all") else None
+        rel_v = table(2 * reach + 3, D) if kind in ("shaw", "all") else None
+        bias = table(H, 2 * reach + 3) if kind in ("bias", "all") else None
+        keys = None
+        if rng.random() < 0.5:
+            keys = torch.rand(rng.choice([1, B]), 1, n, generator=g) < rng.choice([0.3, 0.7, 0.95])
+            if rng.random() < 0.3:
+                keys[..., : rng.randint(0, n)] = False  # left padding
+        inputs = [t for t in (q, k, v, rel_k, rel_v, bias) if t is not None]
+        scale = 1 / math.sqrt(D)
+        out = kernels_relpos._BandedAttention.apply(q, k, v, rel_k, rel_v, bias, keys, reach, causal, scale, block, rows)
+        want = _band_oracle(q, k, v, rel_k, rel_v, bias, reach, keys, causal, scale)
+        grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        got_grads = torch.autograd.grad(out, inputs, grad_out)
+        want_grads = torch.autograd.grad(want, inputs, grad_out, allow_unused=True)
+        case = dict(B=B, H=H, D=D, reach=reach, n=n, block=block, rows=rows, causal=causal, kind=kind,
+                    keys=keys is not None)
+        torch.testing.assert_close(out, want, atol=1e-9, rtol=0, msg=lambda m: f"{case}: {m}")
+        for got, expected in zip(got_grads, want_grads):
+            expected = torch.zeros_like(got) if expected is None else expected
+            torch.testing.assert_close(got, expected, atol=1e-9, rtol=0, msg=lambda m: f"{case}: {m}")

@@ -9,7 +9,7 @@ from hf_relpos import denormals_relpos as D
 
 TINY = 1e-30  # TINY * 1e-10 = 1e-40: a float32 denormal, flushed to 0 under FTZ
 
-pytestmark = pytest.mark.skipif(not D.supported(), reason="flushes on Linux x86-64 with ATen on OpenMP only")
+flushes = pytest.mark.skipif(not D.supported(), reason="flushes on Linux x86-64 (glibc) with ATen on OpenMP only")
 
 
 @pytest.fixture
@@ -27,12 +27,17 @@ def _denormals(n):
     return int(((torch.full((n,), TINY) * 1e-10) != 0).sum())
 
 
+@flushes
 def test_every_thread_flushes_inside_and_none_after(two_threads):
     big = 1 << 20
     assert _denormals(1) == 1 and _denormals(big) == big  # the default: denormals kept
     torch.set_flush_denormal(True)  # what torch offers: the calling thread only
     try:
         assert _denormals(1) == 0 and 0 < _denormals(big) < big  # the worker's half still denormal
+        with D.flush_denormals():
+            assert _denormals(big) == 0
+        # after it, each thread has its own setting back: the caller's flushed, the worker's not
+        assert _denormals(1) == 0 and 0 < _denormals(big) < big
     finally:
         torch.set_flush_denormal(False)
     with D.flush_denormals():
@@ -40,6 +45,7 @@ def test_every_thread_flushes_inside_and_none_after(two_threads):
     assert _denormals(1) == 1 and _denormals(big) == big
 
 
+@flushes
 def test_an_exception_inside_restores_every_thread(two_threads):
     with pytest.raises(RuntimeError, match="inside"), D.flush_denormals():
         assert _denormals(1 << 20) == 0
@@ -55,6 +61,7 @@ def test_a_trace_sees_no_host_call(monkeypatch):
         assert _denormals(1) == 1
 
 
+@flushes
 def test_the_causal_key_bias_kernel_flushes_and_keeps_the_oracles_values(two_threads):
     """The per-key kernel (causal ALiBi) runs flushed: its softmax weights of far keys (exp(-87) .. exp(-104)) are
     denormals otherwise; the output and gradients stay those of the float64 reference to float32 rounding."""
@@ -84,3 +91,23 @@ def test_the_causal_key_bias_kernel_flushes_and_keeps_the_oracles_values(two_thr
     torch.testing.assert_close(out.double(), ref.detach(), atol=2e-5, rtol=0)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=0)
+
+
+@flushes
+def test_a_checkpointed_layer_recomputes_unflushed_as_it_first_ran():
+    """Non-reentrant checkpointing recomputes a layer when its backward unpacks what it saved: the kernels unpack it
+    before they flush, so the recomputed layer runs as the first forward did (review: it ran flushed)."""
+    from hf_relpos import kernels_relpos
+
+    seen = []
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g, requires_grad=True) for _ in range(3))
+    key_bias = torch.linspace(0, 4, 40, dtype=torch.float64)[None].expand(2, 40)
+
+    def layer(q, k, v):
+        seen.append(_denormals(1))  # 1: denormals kept here, outside the kernel
+        return kernels_relpos.causal_key_bias(q * 1.0, k, v, key_bias)
+
+    out = torch.utils.checkpoint.checkpoint(layer, q, k, v, use_reentrant=False)
+    out.sum().backward()
+    assert seen == [1, 1]

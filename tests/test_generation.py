@@ -344,17 +344,17 @@ def test_generate_from_inputs_embeds(scheme):
 
 
 @pytest.mark.parametrize("scheme, compiles", [("rope", True), ("t5_bias", True), ("transformer_xl", False)])
-def test_generate_compiles_a_decoding_step_on_its_own_only_where_it_is_faster(scheme, compiles):
-    """Transformers compiles the decoding step by itself with a static cache on a GPU (here: on any device, as
-    its compile_config allows): every scheme but Transformer-XL, whose compiled step was 0.42x eager's
-    (PositionScheme.compiles_decoding); its generate stays eager."""
-    from transformers import GenerationConfig
+def test_generate_compiles_a_decoding_step_on_its_own_only_where_it_is_faster(scheme, compiles, monkeypatch):
+    """Transformers compiles the decoding step by itself with a static cache on a GPU (here, its criteria met as on
+    one): every scheme but Transformer-XL, whose compiled step was 0.42x eager's (PositionScheme.compiles_decoding);
+    its generate stays eager unless the caller's own compile_config asks for a compile."""
+    from transformers import GenerationConfig, GenerationMixin
     from transformers.generation.configuration_utils import CompileConfig
 
+    monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria", lambda self, kwargs, config: True)
     model = build(scheme, impl="sdpa")
     cache = StaticCache(config=model.config, max_cache_len=16)
-    compile_config = CompileConfig()
-    compile_config._compile_all_devices = True
-    config = GenerationConfig(compile_config=compile_config)
     kwargs = {"cache": cache, "past_key_values": cache}  # the cache's keyword: 5.24 renamed it
-    assert model._valid_auto_compile_criteria(kwargs, config) is compiles
+    assert model._valid_auto_compile_criteria(kwargs, GenerationConfig()) is compiles
+    asked = GenerationConfig(compile_config=CompileConfig())
+    assert model._valid_auto_compile_criteria(kwargs, asked) is True

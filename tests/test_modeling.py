@@ -509,6 +509,43 @@ def test_fullgraph_compile_traces_a_training_step_whole(position_encoding):
         assert_close(got_grads[name], grad, what=f"compiled gradient of {name}")
 
 
+@pytest.mark.parametrize("position_encoding, causal", [("t5_bias", True), ("shaw", False)])
+def test_fullgraph_compile_of_a_training_step_at_a_band_length(position_encoding, causal):
+    """At the lengths where the band decomposition pays (T5's causal bias from 1,024 tokens, Shaw's from 512) a
+    compiled training step takes the dense path, since the band's backward calls torch.autograd.grad, which Dynamo
+    does not trace (review: fullgraph=True failed there); eager keeps the band. Loss and gradients equal eager's."""
+    import torch._dynamo
+
+    from hf_relpos import kernels_relpos
+
+    n = kernels_relpos.CAUSAL_BIAS_BAND_MIN_LENGTH if causal else kernels_relpos.SHAW_BAND_MIN_LENGTH
+    torch._dynamo.reset()
+    cls, field = (RelPosForCausalLM, "logits") if causal else (RelPosModel, "last_hidden_state")
+    model = build(position_encoding, cls=cls, impl="sdpa", num_hidden_layers=1, is_decoder=causal).train()
+    ids = rand_ids(1, n, seed=5)
+
+    def step(forward):
+        model.zero_grad()
+        out = getattr(forward(input_ids=ids, use_cache=False), field)
+        out.float().pow(2).mean().backward()
+        return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    banded = []
+    real = kernels_relpos._BandedAttention.apply
+    kernels_relpos._BandedAttention.apply = lambda *a: banded.append(1) or real(*a)
+    try:
+        want, want_grads = step(model)
+        assert banded, "eager takes the band at this length"
+        got, got_grads = step(torch.compile(model, fullgraph=True, backend="eager"))
+    finally:
+        kernels_relpos._BandedAttention.apply = real
+        torch._dynamo.reset()
+    assert_close(got, want, atol=1e-4, what="compiled logits")
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        assert_close(got_grads[name], grad, atol=1e-4, what=f"compiled gradient of {name}")
+
+
 def _compile_config(backend: str):
     from transformers import CompileConfig
 
