@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_relpos
 import hf_relpos.functional_relpos
+import hf_relpos.position_terms_relpos
 import hf_relpos.commands.compare
 import hf_relpos_cli
 from hf_relpos.commands.common import RUN_FILE
@@ -43,8 +44,8 @@ torch.set_num_threads(1)
 PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent
 CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "generation_relpos.py", "inputs_relpos.py",
               "loading_relpos.py", "position_context_relpos.py", "attention_backends_relpos.py",
-              "position_schemes_relpos.py", "functional_relpos.py", "kernels_relpos.py", "attention_utils_relpos.py",
-              "model_card_relpos.py")
+              "position_schemes_relpos.py", "functional_relpos.py", "position_terms_relpos.py", "kernels_relpos.py",
+              "attention_utils_relpos.py", "model_card_relpos.py")
 AUTO_MAP_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 SUBCOMMANDS = ("train", "generate", "eval", "validate-t5", "compare", "inspect")
 SCHEME_TAG = {"t5_bias": "t5-bias", "transformer_xl": "transformer-xl", "learned": "learned-absolute"}
@@ -359,7 +360,7 @@ def test_validate_t5_ok(capsys):
 
 
 def test_validate_t5_detects_broken_buckets(monkeypatch, capsys):
-    original = hf_relpos.functional_relpos.t5_relative_position_bucket
+    original = hf_relpos.position_terms_relpos.t5_relative_position_bucket
     signature = inspect.signature(original)
 
     def off_by_one(*args, **kwargs):  # still a valid bucket index, just the wrong one
@@ -367,10 +368,10 @@ def test_validate_t5_detects_broken_buckets(monkeypatch, capsys):
         bound.apply_defaults()
         return (original(*args, **kwargs) + 1) % bound.arguments["num_buckets"]
 
-    # validate_t5 imports the name from hf_relpos.functional_relpos (the module the models and the public
-    # hf_relpos.functional read) at call time, and t5_position_bias looks it up in the same module, so both the
-    # bucket check and the bias check see the break
-    monkeypatch.setattr(hf_relpos.functional_relpos, "t5_relative_position_bucket", off_by_one)
+    # validate_t5 imports the name from hf_relpos.position_terms_relpos (where the models' T5 term lives) at call
+    # time, and t5_position_bias looks it up in the same module, so both the bucket check and the bias check see
+    # the break
+    monkeypatch.setattr(hf_relpos.position_terms_relpos, "t5_relative_position_bucket", off_by_one)
     assert hf_relpos_cli.main(["validate-t5"]) != 0
     out = capsys.readouterr().out
     assert "MISMATCH" in out and "OK" not in out

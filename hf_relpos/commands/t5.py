@@ -18,7 +18,7 @@ def validate_t5() -> bool:
     from transformers import T5Config
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    from ..functional_relpos import t5_position_bias, t5_relative_position_bucket
+    from ..position_terms_relpos import t5_position_bias, t5_relative_position_bucket
 
     torch.manual_seed(0)
     relative = torch.cat([torch.arange(-5000, 5001), torch.tensor([-(10**9), -(2**31 - 1), 10**6, 2**31 - 1])])
