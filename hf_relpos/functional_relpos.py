@@ -40,17 +40,19 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention_utils_relpos import _additive_mask, _causal_pattern, _rel_shift
+from .attention_utils_relpos import _additive_mask, _causal_pattern, _exporting, _rel_shift
 from .kernels_relpos import (  # noqa: F401 (KEY_BIAS_SPAN: the schemes' FoX span, read through this module)
     KEY_BIAS_SPAN,
     causal_key_bias,
     causal_key_bias_applies,
+    distance_bias_attention,
     fused_bias_applies,
     fused_bias_attention,
     saturating_bias_banded,
     saturating_bias_banded_applies,
     shaw_banded,
     shaw_banded_applies,
+    toeplitz_bias,
     txl_chunked,
     txl_chunked_applies,
 )
@@ -250,7 +252,9 @@ def saturating_bias_attention(
         with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes),
         :func:`kernels_relpos.saturating_bias_banded`: the band ``|j - i| < s`` explicit, the ranges beyond it in
         the fused kernel; no ``[B|1, H, n, n]`` tensor, and a causal model skips the masked half.
-        Otherwise the bias is spread over ``[B|1, H, n, n]`` (:func:`attention_with_bias`).
+        Otherwise the bias is spread over ``[B|1, H, n, n]``: with a gradient wanted on CPU,
+        :func:`kernels_relpos.distance_bias_attention` (:func:`attention_with_bias`'s kernels, the bias gradient
+        folded per distance), else plain SDPA.
 
     Reference: ``t5_attention_oracle`` in ``tests/test_bias_band.py`` (upstream's buckets, float64).
     """
@@ -265,10 +269,15 @@ def saturating_bias_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
         return saturating_bias_banded(q, k, v, bias, attention_mask=attention_mask, is_causal=is_causal, scale=scale)
-    reach = bias.shape[1] // 2 - 1
-    index = _relative_distance(n, n, 0, bias.device).clamp(-reach - 1, reach + 1) + reach + 1
-    full = bias[:, index].unsqueeze(0)
     mask = _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device) if is_causal else None)
+    if B * H * n and fused_bias_applies(q):
+        return distance_bias_attention(q, k, v, bias, scale, mask=mask)
+    if _exporting() or not n:  # gathered: the indexing every exporter knows
+        reach = bias.shape[1] // 2 - 1
+        index = _relative_distance(n, n, 0, bias.device).clamp(-reach - 1, reach + 1) + reach + 1
+        full = bias[:, index].unsqueeze(0)
+    else:
+        full = toeplitz_bias(bias, n)
     if mask is None:
         return attention_with_bias(q, k, v, full, scale=scale)
     # -inf where masked (a row with no key left then gives zeros); the bias may be half precision.

@@ -14,6 +14,7 @@ self-attention), ``D`` head size.
 entry point                        computes                                  used by
 =================================  ========================================  ====================================
 :func:`fused_bias_attention`       ``softmax(q k^T · scale + bias) v``       ``attention_with_bias``
+:func:`distance_bias_attention`    the same, a bias of the clipped distance  ``saturating_bias_attention``
 :func:`shaw_banded`                Shaw's attention, self-attention          ``shaw_attention``
 :func:`saturating_bias_banded`     a bias of the clipped distance            ``saturating_bias_attention``
 :func:`txl_chunked`                Transformer-XL attention                  ``transformer_xl_attention``
@@ -35,11 +36,23 @@ import torch.utils.checkpoint
 from torch.autograd.function import once_differentiable
 
 from .attention_utils_relpos import _additive_mask, _causal_pattern, _exporting, _is_zero, _rel_shift
+from .bias_kernels_relpos import (  # noqa: F401 (re-exported: this module is the fast paths' one entry)
+    FUSED_BIAS_CHUNK,
+    _flash_cpu,
+    _flash_cpu_backward,
+    _unit_stride,
+    distance_bias_attention,
+    fused_bias_applies,
+    fused_bias_attention,
+    toeplitz_bias,
+)
 from .denormals_relpos import flush_denormals, flushing_denormals
 
 __all__ = [
     "fused_bias_applies",
     "fused_bias_attention",
+    "toeplitz_bias",
+    "distance_bias_attention",
     "shaw_banded_applies",
     "shaw_banded",
     "saturating_bias_banded_applies",
@@ -54,14 +67,13 @@ __all__ = [
 ]
 
 # Defaults of the entry points' thresholds and chunk sizes.
-FUSED_BIAS_CHUNK = 256  # query rows per chunk of fused_bias_attention's backward
 BAND_BLOCK = 64  # query rows per block of the band
 BAND_ROWS = 512  # query rows per pass over the band (a multiple of the block): bounds its temporaries
 # Below this the gathered [B, H, n, n] form is faster on CPU (scripts/bench_band.py --scheme shaw measures the crossover).
 SHAW_BAND_MIN_LENGTH = 512
 # Below these the bias spread over [1, H, n, n] in the fused kernel is as fast on CPU (T5's 32 buckets up to 128:
 # band |d| < 91), bidirectional and causal: scripts/bench_band.py --scheme t5_bias [--causal] measures the crossover.
-BIAS_BAND_MIN_LENGTH = 1536
+BIAS_BAND_MIN_LENGTH = 2048
 CAUSAL_BIAS_BAND_MIN_LENGTH = 1024
 TXL_CHUNK = 256  # query rows per chunk of Transformer-XL attention
 # Query rows per call of the per-key kernel: the bias the kernel adds stays within m·1024 (ALiBi, slope m).
@@ -73,108 +85,6 @@ KEY_BIAS_CHUNK = 2048
 KEY_BIAS_SPAN = 2048.0
 # Rows of the FIRE MLP's [rows, K, width] hidden layer formed at a time: memory stays bounded at any length.
 FIRE_ELEMENTS = 1 << 22
-
-
-# ----------------------------------------------------------------------------------
-# Attention with a learned additive bias: fused forward, chunked backward
-# ----------------------------------------------------------------------------------
-
-
-# SDPA's fused CPU kernel and its backward, called directly for their log-sum-exp output and input.
-# Unlike the public SDPA entry point they assume a unit stride along head_dim: see _unit_stride.
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def _unit_stride(*tensors: torch.Tensor):
-    """The tensors with a unit stride along the last dim (copied only where needed), as the raw kernel reads them."""
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
-
-
-class _AttentionWithBias(torch.autograd.Function):
-    """``softmax(q k^T · scale + bias) v`` whose backward also returns the bias gradient.
-
-    PyTorch's CPU SDPA leaves its fused kernel for the math path (which keeps the whole
-    ``[B, H, Q, K]`` probability tensor for backward) as soon as the mask needs a gradient. Here the
-    forward runs the fused kernel with the bias as a constant and keeps only its output; the
-    backward recomputes the probabilities ``P = exp(S - lse)`` from the kernel's log-sum-exp, a chunk
-    of query rows at a time, and applies the softmax gradient ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))``
-    (as FlashAttention does).
-    """
-
-    @staticmethod
-    @flushing_denormals
-    def forward(ctx, q, k, v, bias, scale, chunk_size):
-        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias.detach(), scale=scale)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
-        with flush_denormals():
-            return _AttentionWithBias._backward(ctx, saved, grad_out)
-
-    @staticmethod
-    def _backward(ctx, saved, grad_out):
-        q, k, v, bias, out, lse = saved
-        scale, chunk = ctx.scale, ctx.chunk_size
-        work = torch.promote_types(q.dtype, torch.float32)
-        qs, kf, vf, gf = (q.to(work) * scale), k.to(work), v.to(work), grad_out.to(work)
-        delta = (gf * out.to(work)).sum(-1, keepdim=True)
-        lse = lse.to(work).unsqueeze(-1)
-        # exp(S - lse) is exact only while lse keeps the precision of log K: a row whose every key
-        # sits at a huge negative value (finfo.min masks, -1e9 biases) rounds it away. Such rows, and a
-        # backward that must itself be differentiable (create_graph), take a full softmax instead.
-        # Traced (torch.compile), the test cannot read the host: the full softmax, exact for every row.
-        exact = (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-                 and bool(lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10))
-        dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
-        dbias = torch.empty(bias.shape, dtype=work, device=bias.device) if ctx.needs_input_grad[3] else None
-        for start in range(0, q.shape[2], chunk):
-            rows = slice(start, start + chunk)
-            # P = exp(s - lse) with the forward kernel's log-sum-exp: whole rows need no max or sum pass.
-            # A row with every key at -inf has scores -inf (and lse 0 from the kernel): P = 0, as its output.
-            scores = (qs[:, :, rows] @ kf.transpose(-1, -2)).add_(bias[:, :, rows].to(work))
-            if exact:
-                probs = scores.sub_(lse[:, :, rows]).exp_()
-            else:
-                probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: create_graph may need it
-            del scores
-            g = gf[:, :, rows]
-            dv += probs.transpose(-1, -2) @ g
-            dscores = g @ vf.transpose(-1, -2)
-            dscores.sub_(delta[:, :, rows]).mul_(probs)  # the softmax gradient dS = P ⊙ (dP - rowsum(dO ⊙ O))
-            del probs
-            dq[:, :, rows] = dscores @ kf
-            dk += dscores.transpose(-1, -2) @ qs[:, :, rows]
-            if dbias is not None:
-                for dim in (0, 1):  # a bias broadcast over batch or heads gets the summed gradient
-                    if bias.shape[dim] == 1 and dscores.shape[dim] != 1:
-                        dscores = dscores.sum(dim, keepdim=True)
-                dbias[:, :, rows] = dscores
-        dq *= scale
-        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
-        return cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None
-
-
-def fused_bias_applies(q: torch.Tensor) -> bool:
-    """The fused forward with a chunked backward pays on CPU when a gradient is wanted (else plain SDPA)."""
-    return not _exporting() and q.device.type == "cpu" and torch.is_grad_enabled()
-
-
-def fused_bias_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, *,
-    chunk_size: int = FUSED_BIAS_CHUNK,
-) -> torch.Tensor:
-    """``softmax(q k^T · scale + bias) v`` -> ``[B, H, Q, D]`` (:class:`_AttentionWithBias`), CPU only.
-
-    ``bias``: additive ``[B|1, H|1, Q, K]``, differentiable. The backward recomputes the probabilities
-    ``chunk_size`` query rows at a time. Reference: ``functional.attention_with_bias``.
-    """
-    q, k, v = _unit_stride(q, k, v)
-    return _AttentionWithBias.apply(q, k, v, bias.to(q.dtype).contiguous(), scale, chunk_size)
 
 
 # ----------------------------------------------------------------------------------

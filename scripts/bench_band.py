@@ -10,7 +10,7 @@ pays. Per length, three contenders run interleaved in one process
 
 - shaw: the band against the gathered ``[B, H, n, 2k+1]`` form;
 - t5_bias: the band against the bias spread over ``[1, H, n, n]`` in the fused kernel
-  (``attention_with_bias``, what the model ran before).
+  (``distance_bias_attention``, what the model runs below the threshold).
 
     python scripts/bench_band.py --scheme shaw             # k = 16; each run about a minute on 2 CPU cores
     python scripts/bench_band.py --scheme t5_bias           # 32 buckets, max distance 128 (band |d| < 91)
@@ -39,13 +39,14 @@ THRESHOLD = {"shaw": (kernels_relpos.SHAW_BAND_MIN_LENGTH,) * 2,
 
 
 def spread_bias_attention(q, k, v, table, causal):
-    """``saturating_bias_attention`` below its threshold: the bias spread over ``[1, H, n, n]`` in the fused kernel."""
-    n, s = q.shape[2], table.shape[1] // 2
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    full = table[:, (j - i).clamp(-s, s) + s].unsqueeze(0)
+    """``saturating_bias_attention`` below its threshold: the bias spread over ``[1, H, n, n]`` in the fused kernel,
+    its gradient folded per distance (``kernels_relpos.distance_bias_attention``)."""
+    n = q.shape[2]
+    mask = None
     if causal:
-        full = full.float().masked_fill(j > i, float("-inf"))
-    return functional.attention_with_bias(q, k, v, full)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        mask = torch.zeros(n, n).masked_fill(j > i, float("-inf"))
+    return kernels_relpos.distance_bias_attention(q, k, v, table, q.shape[-1] ** -0.5, mask=mask)
 
 
 def contenders(scheme, q, k, v, table, clip, causal):

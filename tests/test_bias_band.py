@@ -156,7 +156,7 @@ def test_bfloat16_close_to_float64(band):
 @pytest.mark.parametrize("causal", [False, True])
 def test_never_forms_a_query_by_key_tensor(causal):
     """At the real thresholds: forward and backward stay O(B·H·n·(block + 2s)), no [B, H, n, n] tensor."""
-    B, H, n = 1, 2, 1536
+    B, H, n = 1, 2, K.CAUSAL_BIAS_BAND_MIN_LENGTH if causal else K.BIAS_BAND_MIN_LENGTH
     q, k, v, weight = inputs(2, B, H, n, 8, 8, dtype=torch.float32)
     table = F.t5_bias_by_distance(weight, bidirectional=not causal, max_distance=20)
     with _LargestTensor() as seen:

@@ -45,6 +45,7 @@ PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent
 CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "generation_relpos.py", "inputs_relpos.py",
               "loading_relpos.py", "position_context_relpos.py", "attention_backends_relpos.py",
               "position_schemes_relpos.py", "functional_relpos.py", "position_terms_relpos.py", "kernels_relpos.py",
+              "bias_kernels_relpos.py",
               "attention_utils_relpos.py", "model_card_relpos.py")
 AUTO_MAP_KEYS = ("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification")
 SUBCOMMANDS = ("train", "generate", "eval", "validate-t5", "compare", "inspect")

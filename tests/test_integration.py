@@ -54,6 +54,7 @@ PACKAGE_DIR = Path(hf_relpos.__file__).resolve().parent
 CODE_FILES = ("configuration_relpos.py", "modeling_relpos.py", "generation_relpos.py", "inputs_relpos.py",
               "loading_relpos.py", "position_context_relpos.py", "attention_backends_relpos.py",
               "position_schemes_relpos.py", "functional_relpos.py", "position_terms_relpos.py", "kernels_relpos.py",
+              "bias_kernels_relpos.py",
               "denormals_relpos.py",
               "attention_utils_relpos.py", "initialization_relpos.py",
               "model_card_relpos.py")

@@ -228,9 +228,10 @@ def test_kernels_sit_below_functional_with_no_cycle():
     assert _relative_imports("functional") == {"functional_relpos"}  # the public module: re-exports only
     assert _relative_imports("functional_relpos") == {"attention_utils_relpos", "kernels_relpos", "position_terms_relpos"}
     assert _relative_imports("position_terms_relpos") == {"kernels_relpos"}
-    assert _relative_imports("kernels_relpos") == {"attention_utils_relpos", "denormals_relpos"}
+    assert _relative_imports("kernels_relpos") == {"attention_utils_relpos", "bias_kernels_relpos", "denormals_relpos"}
+    assert _relative_imports("bias_kernels_relpos") == {"attention_utils_relpos", "denormals_relpos"}
     assert _relative_imports("attention_utils_relpos") == set() == _relative_imports("denormals_relpos")
-    for name in ("kernels_relpos", "attention_utils_relpos", "denormals_relpos"):  # flat and Transformers-free, as remote code copies them
+    for name in ("kernels_relpos", "bias_kernels_relpos", "attention_utils_relpos", "denormals_relpos"):  # flat and Transformers-free, as remote code copies them
         source = (PACKAGE / f"{name}.py").read_text()
         assert "transformers" not in {a.name.split(".")[0] for node in ast.walk(ast.parse(source))
                                       if isinstance(node, ast.Import) for a in node.names}

@@ -1,0 +1,236 @@
+"""Attention with a learned additive bias on CPU: SDPA's fused kernel forward, a backward in chunks of query rows.
+
+Two entry points, re-exported by ``kernels_relpos.py`` (the fast paths' one entry, whose table lists them):
+:func:`fused_bias_attention` for a dense bias ``[B|1, H|1, Q, K]`` and :func:`distance_bias_attention` for a bias of
+the clipped distance ``[H, 2s+1]`` (T5's), which never forms an ``[H, n, n]`` gradient. Both share
+:func:`_bias_attention_backward`. Checked against the float64 oracles in ``tests/test_attention_with_bias.py`` and
+``tests/test_bias_band.py``.
+
+Flat module (remote code copies it beside ``modeling_relpos.py``): relative imports only, no Transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .attention_utils_relpos import _exporting
+from .denormals_relpos import flush_denormals, flushing_denormals
+
+FUSED_BIAS_CHUNK = 256  # query rows per chunk of the backward
+
+
+# ----------------------------------------------------------------------------------
+# Attention with a learned additive bias: fused forward, chunked backward
+# ----------------------------------------------------------------------------------
+
+
+# SDPA's fused CPU kernel and its backward, called directly for their log-sum-exp output and input.
+# Unlike the public SDPA entry point they assume a unit stride along head_dim: see _unit_stride.
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _unit_stride(*tensors: torch.Tensor):
+    """The tensors with a unit stride along the last dim (copied only where needed), as the raw kernel reads them."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
+def _bias_attention_backward(q, k, v, bias, out, lse, grad_out, scale, chunk, take_dscores):
+    """``(dq, dk, dv)`` of ``softmax(q k^T · scale + bias) v`` in the working dtype, ``chunk`` query rows at a time.
+
+    The probabilities ``P = exp(S - lse)`` are recomputed from the fused kernel's log-sum-exp and the softmax gradient
+    is ``dS = P ⊙ (dO V^T - rowsum(dO ⊙ O))`` (as FlashAttention's backward). ``take_dscores(dS, start)``, if given,
+    receives each chunk's ``dS`` ``[B, H, rows, K]``: the bias gradient is what it makes of them.
+    """
+    work = torch.promote_types(q.dtype, torch.float32)
+    qs, gf = (q.to(work) * scale), grad_out.to(work)
+    kf, vf = k.to(work), v.to(work)
+    # Transposed once here, not by every chunk's matmul (which copies a transposed operand on CPU).
+    kt, vt = kf.transpose(-1, -2).contiguous(), vf.transpose(-1, -2).contiguous()
+    delta = (gf * out.to(work)).sum(-1, keepdim=True)
+    lse = lse.to(work).unsqueeze(-1)
+    # exp(S - lse) is exact only while lse keeps the precision of log K: a row whose every key
+    # sits at a huge negative value (finfo.min masks, -1e9 biases) rounds it away. Such rows, and a
+    # backward that must itself be differentiable (create_graph), take a full softmax instead.
+    # Traced (torch.compile), the test cannot read the host: the full softmax, exact for every row.
+    exact = (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+             and bool(lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10))
+    dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
+    for start in range(0, q.shape[2], chunk):
+        rows = slice(start, start + chunk)
+        # P = exp(s - lse) with the forward kernel's log-sum-exp: whole rows need no max or sum pass.
+        # A row with every key at -inf has scores -inf (and lse 0 from the kernel): P = 0, as its output.
+        scores = (qs[:, :, rows] @ kt).add_(bias[:, :, rows].to(work))
+        if exact:
+            probs = scores.sub_(lse[:, :, rows]).exp_()
+        else:
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: create_graph may need it
+        del scores
+        g = gf[:, :, rows]
+        dv += probs.transpose(-1, -2) @ g
+        dscores = g @ vt
+        dscores.sub_(delta[:, :, rows]).mul_(probs)  # the softmax gradient dS = P ⊙ (dP - rowsum(dO ⊙ O))
+        del probs
+        dq[:, :, rows] = dscores @ kf
+        dk += dscores.transpose(-1, -2) @ qs[:, :, rows]
+        if take_dscores is not None:
+            take_dscores(dscores, start)
+    return dq * scale, dk, dv
+
+
+class _AttentionWithBias(torch.autograd.Function):
+    """``softmax(q k^T · scale + bias) v`` whose backward also returns the bias gradient.
+
+    PyTorch's CPU SDPA leaves its fused kernel for the math path (which keeps the whole
+    ``[B, H, Q, K]`` probability tensor for backward) as soon as the mask needs a gradient. Here the
+    forward runs the fused kernel with the bias as a constant and keeps only its output; the
+    backward recomputes the probabilities a chunk of query rows at a time (:func:`_bias_attention_backward`).
+    """
+
+    @staticmethod
+    @flushing_denormals
+    def forward(ctx, q, k, v, bias, scale, chunk_size):
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias.detach(), scale=scale)
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
+        with flush_denormals():
+            return _AttentionWithBias._backward(ctx, saved, grad_out)
+
+    @staticmethod
+    def _backward(ctx, saved, grad_out):
+        q, k, v, bias, out, lse = saved
+        work = torch.promote_types(q.dtype, torch.float32)
+        dbias = torch.empty(bias.shape, dtype=work, device=bias.device) if ctx.needs_input_grad[3] else None
+
+        def take(dscores, start):
+            for dim in (0, 1):  # a bias broadcast over batch or heads gets the summed gradient
+                if bias.shape[dim] == 1 and dscores.shape[dim] != 1:
+                    dscores = dscores.sum(dim, keepdim=True)
+            dbias[:, :, start:start + dscores.shape[2]] = dscores
+
+        dq, dk, dv = _bias_attention_backward(q, k, v, bias, out, lse, grad_out, ctx.scale, ctx.chunk_size,
+                                              take if dbias is not None else None)
+        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+        return cast(dq, q), cast(dk, k), cast(dv, v), cast(dbias, bias), None, None
+
+
+def fused_bias_applies(q: torch.Tensor) -> bool:
+    """The fused forward with a chunked backward pays on CPU when a gradient is wanted (else plain SDPA)."""
+    return not _exporting() and q.device.type == "cpu" and torch.is_grad_enabled()
+
+
+def fused_bias_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, *,
+    chunk_size: int = FUSED_BIAS_CHUNK,
+) -> torch.Tensor:
+    """``softmax(q k^T · scale + bias) v`` -> ``[B, H, Q, D]`` (:class:`_AttentionWithBias`), CPU only.
+
+    ``bias``: additive ``[B|1, H|1, Q, K]``, differentiable. The backward recomputes the probabilities
+    ``chunk_size`` query rows at a time. Reference: ``functional.attention_with_bias``.
+    """
+    q, k, v = _unit_stride(q, k, v)
+    return _AttentionWithBias.apply(q, k, v, bias.to(q.dtype).contiguous(), scale, chunk_size)
+
+
+def _distance_entries(n: int, reach: int, device) -> torch.Tensor:
+    """The table entry of each distance ``j - i = m - (n - 1)``, ``m`` in ``[0, 2n - 1)``: ``clamp(j - i) + reach``."""
+    return torch.arange(-(n - 1), n, device=device).clamp_(-reach, reach).add_(reach)
+
+
+def toeplitz_bias(table: torch.Tensor, n: int) -> torch.Tensor:
+    """``[H, 2s+1] -> [1, H, n, n]``: ``out[0, h, i, j] = table[h, clamp(j - i, -s, s) + s]``.
+
+    Row ``i`` is the window ``ext[n-1-i : 2n-1-i]`` of the bias of every distance ``ext`` (``[H, 2n-1]``): a
+    sliding window reversed along the rows, one copy. Gathering ``n²`` indices costs about 4x as much on CPU, and
+    scattering their gradient back about 5x :func:`_fold_diagonals`.
+    """
+    ext = table[:, _distance_entries(n, table.shape[1] // 2, table.device)]
+    return ext.unfold(-1, n, 1).flip(-2).unsqueeze(0)
+
+
+def _fold_diagonals(dscores: torch.Tensor, sums: torch.Tensor, start: int, rows: int = 32) -> None:
+    """Add each diagonal of ``dscores`` (``[B, H, c, n]``, query rows ``start..``) to ``sums`` ``[H, 2n-1]``.
+
+    ``sums[:, m]`` holds distance ``m - (n - 1)``. ``rows`` at a time, summed over the batch: padding each row on
+    the left by ``rows - 1`` and reading the result back with rows one longer puts ``(r, j)`` in column
+    ``j - r + rows - 1`` (Transformer-XL's skew), so a sum over the rows gives the diagonals; the small blocks stay in
+    cache (the whole ``[H, n, 2n]`` skew costs 5x as much here).
+    """
+    n = dscores.shape[-1]
+    for first in range(0, dscores.shape[2], rows):
+        block = dscores[:, :, first:first + rows].sum(0)  # [H, c, n]
+        c = block.shape[1]
+        skewed = F.pad(F.pad(block, (c - 1, 0)).flatten(-2), (0, c)).view(block.shape[0], c, n + c)
+        low = n - c - start - first  # column 0 of the skew: distance -(start + first + c - 1)
+        sums[:, low:low + n + c - 1] += skewed.sum(1)[:, : n + c - 1]
+
+
+class _AttentionWithDistanceBias(torch.autograd.Function):
+    """``softmax(q k^T · scale + B + mask) v`` with ``B[h, i, j] = table[h, clamp(j - i, -s, s) + s]``.
+
+    :class:`_AttentionWithBias` for a bias of the distance: the forward spreads the table by :func:`toeplitz_bias`
+    and the backward folds each chunk's score gradient into the distances it belongs to
+    (:func:`_fold_diagonals`), so no ``[H, n, n]`` bias gradient is written or scattered.
+    """
+
+    @staticmethod
+    def _dense(table, mask, n, dtype):
+        dense = toeplitz_bias(table, n)
+        if mask is not None:  # as functional.saturating_bias_attention merges them: in at least float32
+            dense = dense.to(torch.promote_types(dense.dtype, torch.float32)) + mask
+        return dense.to(dtype)
+
+    @staticmethod
+    @flushing_denormals
+    def forward(ctx, q, k, v, table, mask, scale, chunk_size):
+        dense = _AttentionWithDistanceBias._dense(table.detach(), mask, q.shape[2], q.dtype)
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=dense, scale=scale)
+        ctx.save_for_backward(q, k, v, table, mask, dense, out, lse)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
+        with flush_denormals():
+            return _AttentionWithDistanceBias._backward(ctx, saved, grad_out)
+
+    @staticmethod
+    def _backward(ctx, saved, grad_out):
+        q, k, v, table, mask, dense, out, lse = saved
+        n = q.shape[2]
+        if torch.is_grad_enabled():  # create_graph: the bias made again from the table, so it is differentiated too
+            dense = _AttentionWithDistanceBias._dense(table, mask, n, q.dtype)
+        work = torch.promote_types(q.dtype, torch.float32)
+        sums = torch.zeros(table.shape[0], 2 * n - 1, dtype=work, device=q.device) if ctx.needs_input_grad[3] else None
+        take = None if sums is None else (lambda dscores, start: _fold_diagonals(dscores, sums, start))
+        dq, dk, dv = _bias_attention_backward(q, k, v, dense, out, lse, grad_out, ctx.scale, ctx.chunk_size, take)
+        dtable = None
+        if sums is not None:
+            entries = _distance_entries(n, table.shape[1] // 2, table.device)
+            dtable = torch.zeros(table.shape, dtype=work, device=table.device).index_add(1, entries, sums)
+        cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
+        return cast(dq, q), cast(dk, k), cast(dv, v), cast(dtable, table), None, None, None
+
+
+def distance_bias_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, scale: float, *,
+    mask: Optional[torch.Tensor] = None, chunk_size: int = FUSED_BIAS_CHUNK,
+) -> torch.Tensor:
+    """Self-attention ``softmax(q k^T · scale + B + mask) v``, ``B[h, i, j] = table[h, clamp(j - i, -s, s) + s]``
+    (:class:`_AttentionWithDistanceBias`), CPU only; applies where :func:`fused_bias_applies`.
+
+    ``table``: ``[H, 2s+1]``, differentiable; ``mask``: additive, broadcast as ``[B|1, H|1, n, n]``.
+    Reference: ``functional.saturating_bias_attention``'s spread bias through ``attention_with_bias``.
+    """
+    q, k, v = _unit_stride(q, k, v)
+    mask = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return _AttentionWithDistanceBias.apply(q, k, v, table, mask, scale, chunk_size)

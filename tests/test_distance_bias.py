@@ -1,0 +1,116 @@
+"""T5's bias spread over ``[1, H, n, n]`` with its gradient folded per distance (``kernels_relpos.distance_bias_attention``,
+the path ``saturating_bias_attention`` takes below the band's lengths when a gradient is wanted on CPU).
+
+Against the float64 oracle of ``test_bias_band.py`` (upstream's own buckets, a plain softmax), values and gradients;
+the two tensor tricks (the sliding window that spreads the table, the skew that folds the gradient) against their
+definitions written as loops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_relpos import bias_kernels_relpos as BK
+from hf_relpos import functional as F
+from hf_relpos import kernels_relpos as K
+from test_bias_band import inputs, t5_attention_oracle
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """A record of the calls that took the distance path (a spy: each call still runs it)."""
+    calls = []
+    real = BK._AttentionWithDistanceBias.apply
+    monkeypatch.setattr(BK._AttentionWithDistanceBias, "apply", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("n,s", [(1, 1), (2, 3), (7, 2), (40, 91), (130, 5)])
+def test_toeplitz_bias_is_the_table_at_each_clipped_distance(n, s):
+    table = torch.randn(3, 2 * s + 1, dtype=torch.float64)
+    got = K.toeplitz_bias(table, n)
+    assert got.shape == (1, 3, n, n)
+    for i in range(n):
+        for j in range(n):
+            assert torch.equal(got[0, :, i, j], table[:, min(max(j - i, -s), s) + s])
+
+
+@pytest.mark.parametrize("start,c,n,rows", [(0, 9, 9, 32), (5, 37, 50, 8), (40, 10, 50, 3), (0, 64, 64, 64)])
+def test_fold_diagonals_sums_each_distance_over_batch_and_rows(start, c, n, rows):
+    g = torch.Generator().manual_seed(start + c)
+    block = torch.randn(2, 3, c, n, generator=g, dtype=torch.float64)
+    sums = torch.zeros(3, 2 * n - 1, dtype=torch.float64)
+    BK._fold_diagonals(block, sums, start, rows=rows)
+    want = torch.zeros_like(sums)
+    for r in range(c):
+        for j in range(n):
+            want[:, j - (start + r) + n - 1] += block[:, :, r, j].sum(0)
+    torch.testing.assert_close(sums, want, rtol=0, atol=1e-12)
+
+
+def key_mask(B, n):
+    """Bool [B, 1, 1, n]: right padding, and (second row) every key masked."""
+    keep = torch.ones(B, 1, 1, n, dtype=torch.bool)
+    keep[0, ..., n - 3:] = False
+    keep[1] = False
+    return keep
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("n,num_buckets,max_distance", [(9, 4, 6), (70, 16, 30), (300, 32, 128)])
+def test_values_and_gradients_match_float64_oracle(taken, n, num_buckets, max_distance, causal, padded):
+    q, k, v, weight = inputs(n + num_buckets, 2, 3, n, 5, num_buckets)
+    table = F.t5_bias_by_distance(weight, bidirectional=not causal, max_distance=max_distance)
+    mask = key_mask(2, n) if padded else None
+    got = F.saturating_bias_attention(q, k, v, table, is_causal=causal, attention_mask=mask)
+    assert taken, "saturating_bias_attention did not take the distance path"
+    want = t5_attention_oracle(q, k, v, weight, bidirectional=not causal, max_distance=max_distance, causal=causal,
+                               keys=mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    if padded:
+        assert not got[1].any()  # no key left: zeros
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    leaves = (q, k, v, weight)
+    for name, a, b in zip("q k v weight".split(), torch.autograd.grad(got, leaves, grad_out),
+                          torch.autograd.grad(want, leaves, grad_out)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_gradcheck_and_second_derivatives(taken):
+    """gradcheck, and create_graph through the folded backward (a gradient penalty) against plain autograd of the
+    spread bias: the backward spreads the table again, differentiably, so the table's second derivatives are right."""
+    q, k, v, _ = inputs(3, 1, 2, 13, 3, 4)
+    table = torch.randn(2, 7, dtype=torch.float64, requires_grad=True)  # any per-distance bias, s = 3
+    run = lambda *t: F.saturating_bias_attention(*t, scale=0.5)  # noqa: E731
+    assert torch.autograd.gradcheck(run, (q, k, v, table))
+
+    def naive(q, k, v, table):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.5 + K.toeplitz_bias(table, q.shape[2]), -1) @ v
+
+    def penalty_grads(fn, xs):
+        (dq,) = torch.autograd.grad(fn(*xs).pow(2).sum(), xs[0], create_graph=True)
+        return torch.autograd.grad(dq.pow(2).sum(), xs)
+
+    ref = [t.detach().clone().requires_grad_(True) for t in (q, k, v, table)]
+    for name, a, b in zip("q k v table".split(), penalty_grads(run, (q, k, v, table)), penalty_grads(naive, ref)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    assert taken
+
+
+def test_float32_matches_the_gathered_bias_it_replaces(taken):
+    """At model precision, the same values and gradients as the bias gathered over [1, H, n, n] and differentiated
+    through ``attention_with_bias`` (the path before: its gradient scattered back index by index)."""
+    q, k, v, weight = inputs(7, 2, 4, 300, 16, 32, dtype=torch.float32)
+    table = F.t5_bias_by_distance(weight, bidirectional=True)
+    s = table.shape[1] // 2
+    index = (torch.arange(300)[None, :] - torch.arange(300)[:, None]).clamp(-s, s) + s
+    got = F.saturating_bias_attention(q, k, v, table)
+    want = F.attention_with_bias(q, k, v, F.t5_bias_by_distance(weight, bidirectional=True)[:, index].unsqueeze(0))
+    grad_out = torch.randn_like(got)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same bias into the same kernel
+    for a, b in zip(torch.autograd.grad(got, (q, k, v, weight), grad_out),
+                    torch.autograd.grad(want, (q, k, v, weight), grad_out)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(taken) == 1
