@@ -2,7 +2,8 @@
 
 Two entry points, re-exported by ``kernels_relpos.py`` (the fast paths' one entry, whose table lists them):
 :func:`fused_bias_attention` for a dense bias ``[B|1, H|1, Q, K]`` and :func:`distance_bias_attention` for a bias of
-the clipped distance ``[H, 2s+1]`` (T5's), which never forms an ``[H, n, n]`` gradient. Both share
+the clipped distance ``[H, 2s+1]`` (T5's), which reads the bias as a view of its ``2n - 1`` distances and folds its
+gradient per distance: no ``[H, n, n]`` bias is kept, and no ``[H, n, n]`` gradient is made. Both share
 :func:`_bias_attention_backward`. Checked against the float64 oracles in ``tests/test_attention_with_bias.py`` and
 ``tests/test_bias_band.py``.
 
@@ -145,55 +146,65 @@ def _distance_entries(n: int, reach: int, device) -> torch.Tensor:
     return torch.arange(-(n - 1), n, device=device).clamp_(-reach, reach).add_(reach)
 
 
+def _reversed_rows(table: torch.Tensor, n: int) -> torch.Tensor:
+    """The bias of ``table`` ``[H, 2s+1]`` with its query rows reversed, ``[1, H, n, n]``, as a view of ``[H, 2n-1]``.
+
+    Row ``r`` (query ``i = n-1-r``) is the window ``ext[r : r+n]`` of the bias of every distance ``ext`` (``ext[m]``:
+    distance ``m - (n-1)``, so key ``j`` reads distance ``r + j - (n-1) = j - i``): rows one element apart, no copy.
+    """
+    ext = table[:, _distance_entries(n, table.shape[1] // 2, table.device)]
+    return ext.unfold(-1, n, 1).unsqueeze(0)
+
+
 def toeplitz_bias(table: torch.Tensor, n: int) -> torch.Tensor:
     """``[H, 2s+1] -> [1, H, n, n]``: ``out[0, h, i, j] = table[h, clamp(j - i, -s, s) + s]``.
 
-    Row ``i`` is the window ``ext[n-1-i : 2n-1-i]`` of the bias of every distance ``ext`` (``[H, 2n-1]``): a
-    sliding window reversed along the rows, one copy. Gathering ``n²`` indices costs about 4x as much on CPU, and
-    scattering their gradient back about 5x :func:`_fold_diagonals`.
+    :func:`_reversed_rows` put back in order: one copy. Gathering ``n²`` indices costs about 4x as much on CPU.
     """
-    ext = table[:, _distance_entries(n, table.shape[1] // 2, table.device)]
-    return ext.unfold(-1, n, 1).flip(-2).unsqueeze(0)
+    return _reversed_rows(table, n).flip(-2)
 
 
-def _fold_diagonals(dscores: torch.Tensor, sums: torch.Tensor, start: int, rows: int = 32) -> None:
-    """Add each diagonal of ``dscores`` (``[B, H, c, n]``, query rows ``start..``) to ``sums`` ``[H, 2n-1]``.
+def _fold_antidiagonals(dscores: torch.Tensor, sums: torch.Tensor, start: int, rows: int = 32) -> None:
+    """Add each anti-diagonal of ``dscores`` (``[B, H, c, n]``, rows ``start..``) to ``sums`` ``[H, 2n-1]``:
+    ``sums[:, m] += Σ dscores[b, :, r, j]`` over ``start + r + j = m``.
 
-    ``sums[:, m]`` holds distance ``m - (n - 1)``. ``rows`` at a time, summed over the batch: padding each row on
-    the left by ``rows - 1`` and reading the result back with rows one longer puts ``(r, j)`` in column
-    ``j - r + rows - 1`` (Transformer-XL's skew), so a sum over the rows gives the diagonals; the small blocks stay in
-    cache (the whole ``[H, n, 2n]`` skew costs 5x as much here).
+    ``rows`` at a time, summed over the batch: padding each row on the right by ``c`` and reading the result back
+    with rows one shorter puts ``(r, j)`` in column ``r + j`` (Transformer-XL's skew), so a sum over the rows gives
+    the anti-diagonals; the small blocks stay in cache (the whole ``[H, n, 2n]`` skew costs 5x as much here).
     """
     n = dscores.shape[-1]
     for first in range(0, dscores.shape[2], rows):
         block = dscores[:, :, first:first + rows].sum(0)  # [H, c, n]
-        c = block.shape[1]
-        skewed = F.pad(F.pad(block, (c - 1, 0)).flatten(-2), (0, c)).view(block.shape[0], c, n + c)
-        low = n - c - start - first  # column 0 of the skew: distance -(start + first + c - 1)
-        sums[:, low:low + n + c - 1] += skewed.sum(1)[:, : n + c - 1]
+        heads, c = block.shape[:2]
+        skewed = F.pad(block, (0, c)).flatten(-2)[:, : c * (n + c - 1)].view(heads, c, n + c - 1)
+        sums[:, start + first:start + first + n + c - 1] += skewed.sum(1)
 
 
 class _AttentionWithDistanceBias(torch.autograd.Function):
     """``softmax(q k^T · scale + B + mask) v`` with ``B[h, i, j] = table[h, clamp(j - i, -s, s) + s]``.
 
-    :class:`_AttentionWithBias` for a bias of the distance: the forward spreads the table by :func:`toeplitz_bias`
-    and the backward folds each chunk's score gradient into the distances it belongs to
-    (:func:`_fold_diagonals`), so no ``[H, n, n]`` bias gradient is written or scattered.
+    :class:`_AttentionWithBias` for a bias of the distance, run with the query rows reversed: there the bias is a
+    view of its ``2n - 1`` distances (:func:`_reversed_rows`), which the fused kernel reads in place, so without a
+    mask no ``[H, n, n]`` bias is made or kept for the backward; the backward folds each chunk's score gradient
+    into the distances it belongs to (:func:`_fold_antidiagonals`) instead of scattering an ``[H, n, n]`` gradient.
     """
 
     @staticmethod
-    def _dense(table, mask, n, dtype):
-        dense = toeplitz_bias(table, n)
-        if mask is not None:  # as functional.saturating_bias_attention merges them: in at least float32
-            dense = dense.to(torch.promote_types(dense.dtype, torch.float32)) + mask
-        return dense.to(dtype)
+    def _bias(table, mask, n, dtype):
+        """The reversed rows' bias in ``dtype``; with a mask, merged with it (its rows reversed too) in at least
+        float32, as ``functional.saturating_bias_attention`` merges them."""
+        if mask is None:
+            return _reversed_rows(table.to(dtype), n)
+        rows = _reversed_rows(table, n)
+        return (rows.to(torch.promote_types(rows.dtype, torch.float32)) + mask.flip(-2)).to(dtype)
 
     @staticmethod
     @flushing_denormals
     def forward(ctx, q, k, v, table, mask, scale, chunk_size):
-        dense = _AttentionWithDistanceBias._dense(table.detach(), mask, q.shape[2], q.dtype)
-        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=dense, scale=scale)
-        ctx.save_for_backward(q, k, v, table, mask, dense, out, lse)
+        bias = _AttentionWithDistanceBias._bias(table.detach(), mask, q.shape[2], q.dtype)
+        out, lse = _flash_cpu(q.flip(2), k, v, 0.0, False, attn_mask=bias, scale=scale)
+        out = out.flip(2)
+        ctx.save_for_backward(q, k, v, table, mask, out, lse)  # lse: of the reversed rows
         ctx.scale, ctx.chunk_size = scale, chunk_size
         return out
 
@@ -205,20 +216,28 @@ class _AttentionWithDistanceBias(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, saved, grad_out):
-        q, k, v, table, mask, dense, out, lse = saved
+        q, k, v, table, mask, out, lse = saved
         n = q.shape[2]
-        if torch.is_grad_enabled():  # create_graph: the bias made again from the table, so it is differentiated too
-            dense = _AttentionWithDistanceBias._dense(table, mask, n, q.dtype)
+        # Made again (a view, or the view plus the mask): nothing [n, n] was kept. Under create_graph, from the
+        # table itself, so that it is differentiated too.
+        bias = _AttentionWithDistanceBias._bias(table if torch.is_grad_enabled() else table.detach(), mask, n, q.dtype)
         work = torch.promote_types(q.dtype, torch.float32)
         sums = torch.zeros(table.shape[0], 2 * n - 1, dtype=work, device=q.device) if ctx.needs_input_grad[3] else None
-        take = None if sums is None else (lambda dscores, start: _fold_diagonals(dscores, sums, start))
-        dq, dk, dv = _bias_attention_backward(q, k, v, dense, out, lse, grad_out, ctx.scale, ctx.chunk_size, take)
+        take = None if sums is None else (lambda dscores, start: _fold_antidiagonals(dscores, sums, start))
+        dq, dk, dv = _bias_attention_backward(q.flip(2), k, v, bias, out.flip(2), lse, grad_out.flip(2), ctx.scale,
+                                              ctx.chunk_size, take)
         dtable = None
         if sums is not None:
             entries = _distance_entries(n, table.shape[1] // 2, table.device)
             dtable = torch.zeros(table.shape, dtype=work, device=table.device).index_add(1, entries, sums)
         cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
-        return cast(dq, q), cast(dk, k), cast(dv, v), cast(dtable, table), None, None, None
+        return cast(dq.flip(2), q), cast(dk, k), cast(dv, v), cast(dtable, table), None, None, None
+
+
+def distance_bias_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """The distance path runs on CPU, with or without a gradient, outside an export (its private kernel), where the
+    fused kernel runs: one head size for queries and values."""
+    return not _exporting() and q.device.type == "cpu" and v.shape[-1] == q.shape[-1]
 
 
 def distance_bias_attention(
@@ -226,7 +245,7 @@ def distance_bias_attention(
     mask: Optional[torch.Tensor] = None, chunk_size: int = FUSED_BIAS_CHUNK,
 ) -> torch.Tensor:
     """Self-attention ``softmax(q k^T · scale + B + mask) v``, ``B[h, i, j] = table[h, clamp(j - i, -s, s) + s]``
-    (:class:`_AttentionWithDistanceBias`), CPU only; applies where :func:`fused_bias_applies`.
+    (:class:`_AttentionWithDistanceBias`), CPU only; applies where :func:`distance_bias_applies`.
 
     ``table``: ``[H, 2s+1]``, differentiable; ``mask``: additive, broadcast as ``[B|1, H|1, n, n]``.
     Reference: ``functional.saturating_bias_attention``'s spread bias through ``attention_with_bias``.

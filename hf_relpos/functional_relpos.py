@@ -45,6 +45,7 @@ from .kernels_relpos import (  # noqa: F401 (KEY_BIAS_SPAN: the schemes' FoX spa
     KEY_BIAS_SPAN,
     causal_key_bias,
     causal_key_bias_applies,
+    distance_bias_applies,
     distance_bias_attention,
     fused_bias_applies,
     fused_bias_attention,
@@ -214,7 +215,7 @@ def attention_with_bias(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if 0 in (B, H, Q, K):  # nothing to attend (and the fused CPU kernel crashes on empty inputs)
         return q.new_zeros(B, H, Q, v.shape[-1]) + 0.0 * (q.sum() + k.sum() + v.sum() + bias.sum())
-    if not fused_bias_applies(q):
+    if not fused_bias_applies(q) or v.shape[-1] != D:  # the fused kernel takes one head size
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=scale)
     return fused_bias_attention(q, k, v, bias, scale, chunk_size=chunk_size)
 
@@ -248,13 +249,14 @@ def saturating_bias_attention(
         ``[B, H, n, D_v]``.
 
     Note:
-        On CPU, from ``kernels_relpos.BIAS_BAND_MIN_LENGTH`` tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal) and
-        with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes),
-        :func:`kernels_relpos.saturating_bias_banded`: the band ``|j - i| < s`` explicit, the ranges beyond it in
-        the fused kernel; no ``[B|1, H, n, n]`` tensor, and a causal model skips the masked half.
-        Otherwise the bias is spread over ``[B|1, H, n, n]``: with a gradient wanted on CPU,
-        :func:`kernels_relpos.distance_bias_attention` (:func:`attention_with_bias`'s kernels, the bias gradient
-        folded per distance), else plain SDPA.
+        On CPU, :func:`kernels_relpos.distance_bias_attention`: the fused kernel with the query rows reversed,
+        where the bias is a view of its ``2n - 1`` distances, and a backward that folds the bias gradient per
+        distance; no ``[H, n, n]`` tensor without a mask. For a gradient or with a mask, from
+        ``kernels_relpos.BIAS_BAND_MIN_LENGTH`` tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal) and with no mask
+        or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes), :func:`kernels_relpos.saturating_bias_banded`
+        instead: the band ``|j - i| < s`` explicit, the ranges beyond it in the fused kernel; no
+        ``[B|1, H, n, n]`` tensor, and a causal model skips the masked half. Elsewhere (another device, an export)
+        the bias spread over ``[B|1, H, n, n]`` in :func:`attention_with_bias`.
 
     Reference: ``t5_attention_oracle`` in ``tests/test_bias_band.py`` (upstream's buckets, float64).
     """
@@ -267,10 +269,13 @@ def saturating_bias_attention(
         raise ValueError(f"bias must have shape [heads={H}, 2s+1] with s >= 1, got {tuple(bias.shape)}")
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
+    # Unmasked inference reads the bias as a view in the fused kernel (distance_bias_attention) at any length, faster
+    # than the band; a mask would be spread over [B|1, H, n, n] there, and a backward costs more than the band's.
+    unmasked_inference = attention_mask is None and not is_causal and not torch.is_grad_enabled()
+    if not unmasked_inference and saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
         return saturating_bias_banded(q, k, v, bias, attention_mask=attention_mask, is_causal=is_causal, scale=scale)
     mask = _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device) if is_causal else None)
-    if B * H * n and fused_bias_applies(q):
+    if B * H * n and distance_bias_applies(q, v):
         return distance_bias_attention(q, k, v, bias, scale, mask=mask)
     if _exporting() or not n:  # gathered: the indexing every exporter knows
         reach = bias.shape[1] // 2 - 1

@@ -37,15 +37,15 @@ def test_toeplitz_bias_is_the_table_at_each_clipped_distance(n, s):
 
 
 @pytest.mark.parametrize("start,c,n,rows", [(0, 9, 9, 32), (5, 37, 50, 8), (40, 10, 50, 3), (0, 64, 64, 64)])
-def test_fold_diagonals_sums_each_distance_over_batch_and_rows(start, c, n, rows):
+def test_fold_antidiagonals_sums_over_batch_and_rows(start, c, n, rows):
     g = torch.Generator().manual_seed(start + c)
     block = torch.randn(2, 3, c, n, generator=g, dtype=torch.float64)
     sums = torch.zeros(3, 2 * n - 1, dtype=torch.float64)
-    BK._fold_diagonals(block, sums, start, rows=rows)
+    BK._fold_antidiagonals(block, sums, start, rows=rows)
     want = torch.zeros_like(sums)
     for r in range(c):
         for j in range(n):
-            want[:, j - (start + r) + n - 1] += block[:, :, r, j].sum(0)
+            want[:, start + r + j] += block[:, :, r, j].sum(0)
     torch.testing.assert_close(sums, want, rtol=0, atol=1e-12)
 
 
@@ -114,3 +114,35 @@ def test_float32_matches_the_gathered_bias_it_replaces(taken):
                     torch.autograd.grad(want, (q, k, v, weight), grad_out)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert len(taken) == 1
+
+
+def test_a_value_head_size_of_its_own_takes_a_path_that_allows_it():
+    """The fused kernel takes one head size for q, k and v: with another for v the distance path and
+    attention_with_bias's chunked path step aside (both raised "Q/K/V should have the same head size" before)."""
+    q, k, _, weight = inputs(11, 2, 3, 20, 8, 8)
+    v = torch.randn(2, 3, 20, 5, dtype=torch.float64, requires_grad=True)
+    table = F.t5_bias_by_distance(weight, bidirectional=True, max_distance=10)
+    got = F.saturating_bias_attention(q, k, v, table)
+    want = t5_attention_oracle(q, k, v, weight, bidirectional=True, max_distance=10, causal=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    leaves = (q, k, v, weight)
+    for a, b in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+    dense = K.toeplitz_bias(table.detach(), 20)
+    torch.testing.assert_close(F.attention_with_bias(q, k, v, dense), want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("n", [40, K.BIAS_BAND_MIN_LENGTH])
+def test_unmasked_inference_reads_the_bias_as_a_view_at_any_length(taken, monkeypatch, n):
+    """Without a gradient or a mask, the distance path runs even where a training step takes the band (its forward
+    costs about plain SDPA's: results/bench-band-t5_bias.md), and gives the spread bias's output."""
+    banded = []
+    real = K._BandedAttention.apply
+    monkeypatch.setattr(K._BandedAttention, "apply", lambda *a: banded.append(1) or real(*a))
+    q, k, v, weight = inputs(5, 1, 2, n, 8, 32, dtype=torch.float32, requires_grad=False)
+    table = F.t5_bias_by_distance(weight, bidirectional=True)
+    with torch.no_grad():
+        got = F.saturating_bias_attention(q, k, v, table)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=K.toeplitz_bias(table, n))
+    assert taken and not banded
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
