@@ -59,6 +59,36 @@ def failure_shares(records: list, bucket: tuple) -> dict:
     return counts
 
 
+def first_unseen_bucket(task: str, train_length: int, max_length: int, num_buckets: int = 32,
+                        max_distance: int = 128) -> int | None:
+    """The first test length whose decoding reads a T5 bucket (causal) that no training position read, or None.
+
+    A training sequence of the longest instance has ``max_tokens`` positions, so its queries read distances up to
+    ``max_tokens - 1``. Decoding an instance of length ``n`` predicts the end at its last answer token, position
+    ``len(ids) - 2``, whose farthest key is at that distance: the farthest any of its queries reads.
+    """
+    import torch
+
+    from hf_relpos.functional import t5_relative_position_bucket
+
+    def buckets(farthest: int) -> set:
+        distances = -torch.arange(farthest + 1)
+        return set(t5_relative_position_bucket(distances, False, num_buckets, max_distance).tolist())
+
+    seen = buckets(lg.max_tokens(task, train_length) - 1)
+    for n in range(train_length + 1, max_length + 1):
+        if buckets(lg.max_tokens(task, n) - 2) - seen:
+            return n
+    return None
+
+
+def first_wrong_length(record: dict, train_length: int):
+    """The shortest test length past training with a wrong answer, or None."""
+    wrong = [int(n) for n, (right, total) in record["right_by_length"].items()
+             if int(n) > train_length and right < total]
+    return min(wrong) if wrong else None
+
+
 def _cell(row: dict, key: str) -> str:
     if row is None:
         return "not run"
@@ -79,7 +109,7 @@ def report(setups: dict, out: Path, train_length: int = 20, gate: float = 0.95) 
              "study chooses. `python scripts/lengthgen_ablation.py`.", "", "| setup | what it changes | folder |",
              "| --- | --- | --- |"]
     lines += [f"| {k} | {what} | `{folder}` |" for k, (what, folder) in setups.items()]
-    failures, tables = [], {}
+    failures, tables, onsets = [], {}, []
     for task in TASKS:
         lines += ["", f"## {task}", "", f"| setup | scheme | seeds | {' | '.join(names)} | paper {' / '.join(names)} |",
                   "| --- | --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
@@ -100,9 +130,19 @@ def report(setups: dict, out: Path, train_length: int = 20, gate: float = 0.95) 
                         failures.append(f"| {task} | {letter} | {scheme} | {name} | "
                                         + " | ".join(str(shares[k]) for k in command.FAILURE_KINDS) + " |")
                 if scheme == "t5_bias" and learned:
+                    unseen = first_unseen_bucket(task, train_length, 2 * train_length)
+                    onsets.append(f"| {task} | {letter} | {unseen or '-'} | " + ", ".join(
+                        f"seed {r['seed']}: {first_wrong_length(r, train_length) or 'none'}" for r in learned) + " |")
                     best = max(learned, key=lambda r: (r["accuracy"][names[0]] or 0.0, -r["seed"]))
                     if TABLE in best.get("position_parameters", {}):
                         tables[(task, letter)] = (best["seed"], best["position_parameters"][TABLE])
+    lines += ["", "## Where the answers first go wrong, and where an unseen bucket first appears", "",
+              "Per learned t5_bias run: the shortest test length with a wrong answer. Beside it, the first length "
+              "whose decoding reads a bucket of T5's causal bias (32 buckets up to 128) that no training position "
+              "read: the stop query of an instance of length n reads distances up to len - 2 "
+              "(`first_unseen_bucket`).", "",
+              "| task | setup | first length with an unseen bucket | first wrong length per seed |",
+              "| --- | --- | ---: | --- |", *onsets]
     lines += ["", "## How the wrong answers fail", "",
               "Counted over the learned runs' wrong test answers, from the first wrong token: the end where an item "
               "is due (stops early), an item where the end is due (does not stop), another item (wrong item). "

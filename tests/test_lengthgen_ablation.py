@@ -51,3 +51,27 @@ def test_failures_are_counted_per_bucket_over_learned_runs_and_the_tables_plotte
     assert "(2 of 3)" in text
     assert (tmp_path / "out" / "t5-bias-tables.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "t5-bias-tables.png" in (tmp_path / "out" / "ablation.md").read_text()
+
+
+def test_the_first_unseen_bucket_is_where_decoding_first_reads_a_distance_bucket_training_never_read():
+    """From the layouts by hand (task token, prompt, separator, answer, end) and upstream's own bucket function:
+    repeat_copy trains on 43 positions at most (distances up to 42); decoding length n predicts the end at position
+    2n + 1. Replace's prompt has two more items."""
+    import torch
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    def bucket(d):
+        return int(T5Attention._relative_position_bucket(torch.tensor(-d), bidirectional=False, num_buckets=32,
+                                                         max_distance=128))
+
+    for task, trained, stop in (("repeat_copy", 42, lambda n: 2 * n + 1), ("replace", 44, lambda n: 2 * n + 3)):
+        seen = {bucket(d) for d in range(trained + 1)}
+        want = next(n for n in range(21, 41) if any(bucket(d) not in seen for d in range(stop(n) + 1)))
+        assert ablation.first_unseen_bucket(task, 20, 40) == want
+    assert ablation.first_unseen_bucket("repeat_copy", 20, 22) is None  # none up to 22
+
+
+def test_first_wrong_length_is_the_shortest_past_training():
+    record = {"right_by_length": {"19": [9, 10], "21": [10, 10], "23": [3, 10], "22": [8, 10], "30": [0, 10]}}
+    assert ablation.first_wrong_length(record, 20) == 22
+    assert ablation.first_wrong_length({"right_by_length": {"21": [10, 10]}}, 20) is None
