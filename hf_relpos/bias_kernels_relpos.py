@@ -67,8 +67,9 @@ def _bias_attention_backward(q, k, v, bias, out, lse, grad_out, scale, chunk, ta
         scores = (qs[:, :, rows] @ kt).add_(bias[:, :, rows].to(work))
         if exact:
             probs = scores.sub_(lse[:, :, rows]).exp_()
-        else:
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # out of place: create_graph may need it
+        else:  # out of place: create_graph may need it; a row with no key left gives zeros, and finite derivatives
+            dead = torch.isneginf(scores).all(-1, keepdim=True)
+            probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
         del scores
         g = gf[:, :, rows]
         dv += probs.transpose(-1, -2) @ g
@@ -161,6 +162,8 @@ def toeplitz_bias(table: torch.Tensor, n: int) -> torch.Tensor:
 
     :func:`_reversed_rows` put back in order: one copy. Gathering ``n²`` indices costs about 4x as much on CPU.
     """
+    if n == 0:
+        return table.new_zeros(1, table.shape[0], 0, 0)
     return _reversed_rows(table, n).flip(-2)
 
 
@@ -247,7 +250,8 @@ def distance_bias_attention(
     """Self-attention ``softmax(q k^T · scale + B + mask) v``, ``B[h, i, j] = table[h, clamp(j - i, -s, s) + s]``
     (:class:`_AttentionWithDistanceBias`), CPU only; applies where :func:`distance_bias_applies`.
 
-    ``table``: ``[H, 2s+1]``, differentiable; ``mask``: additive, broadcast as ``[B|1, H|1, n, n]``.
+    ``table``: ``[H, 2s+1]``, differentiable; ``mask``: additive, broadcast as ``[B|1, H|1, n, n]``, a constant (it
+    gets no gradient: ``functional.saturating_bias_attention`` sends a mask that wants one to the dense path).
     Reference: ``functional.saturating_bias_attention``'s spread bias through ``attention_with_bias``.
     """
     q, k, v = _unit_stride(q, k, v)

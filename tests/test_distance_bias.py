@@ -1,10 +1,11 @@
-"""T5's bias spread over ``[1, H, n, n]`` with its gradient folded per distance (``kernels_relpos.distance_bias_attention``,
-the path ``saturating_bias_attention`` takes below the band's lengths when a gradient is wanted on CPU).
+"""T5's bias of the distance in the fused kernel (``kernels_relpos.distance_bias_attention``): the query rows
+reversed, where the bias is a view of its ``2n - 1`` distances, and a backward that folds the bias gradient per
+distance. ``saturating_bias_attention`` takes it on CPU below the band's lengths, and for bidirectional inference
+without a mask at any length.
 
 Against the float64 oracle of ``test_bias_band.py`` (upstream's own buckets, a plain softmax), values and gradients;
 the two tensor tricks (the sliding window that spreads the table, the skew that folds the gradient) against their
-definitions written as loops.
-"""
+definitions written as loops."""
 
 from __future__ import annotations
 
@@ -146,3 +147,49 @@ def test_unmasked_inference_reads_the_bias_as_a_view_at_any_length(taken, monkey
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=K.toeplitz_bias(table, n))
     assert taken and not banded
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def plain(q, k, v, table, mask, scale):
+    """The definition, float64 autograd: softmax(q k^T · scale + B + mask) v, a row with no key left giving zeros."""
+    scores = q @ k.transpose(-1, -2) * scale + K.toeplitz_bias(table, q.shape[2]) + mask
+    alive = ~torch.isneginf(scores).all(-1, keepdim=True)
+    return torch.where(alive, torch.softmax(scores.masked_fill(~alive, 0.0), -1), 0.0) @ v
+
+
+def test_a_float_mask_that_wants_its_gradient_gets_it():
+    """Review: the distance path takes its mask as a constant, so a differentiable float mask lost its gradient
+    (None); such a mask takes the dense path, whose bias gradient is the mask's too."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(2, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(2, 2, 6, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    got = torch.autograd.grad(F.saturating_bias_attention(q, k, v, table, attention_mask=mask).sum(), (table, mask))
+    want = torch.autograd.grad(plain(q, k, v, table, mask, 8**-0.5).sum(), (table, mask))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_second_derivatives_stay_finite_where_a_row_has_no_key_left(taken):
+    """Review: create_graph through a row whose every key is masked gave NaN second derivatives (the softmax of an
+    all -inf row is NaN before it is zeroed); now those of the float64 definition."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    table = torch.randn(2, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    keys = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    keys[1] = False
+    xs = (q, k, v, table)
+    additive = torch.zeros(keys.shape, dtype=torch.float64).masked_fill(~keys, float("-inf"))
+
+    def second(out):
+        first = torch.autograd.grad(out.sum(), xs, create_graph=True)
+        return torch.autograd.grad(sum((d ** 2).sum() for d in first), xs)
+
+    got = second(F.saturating_bias_attention(q, k, v, table, attention_mask=keys))
+    want = second(plain(q, k, v, table, additive, 8**-0.5))
+    assert taken
+    for name, a, b in zip("q k v table".split(), got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_toeplitz_bias_of_no_tokens_is_empty():
+    assert K.toeplitz_bias(torch.randn(3, 5), 0).shape == (1, 3, 0, 0)
