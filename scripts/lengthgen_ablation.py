@@ -1,8 +1,10 @@
 """Why T5's bias does not extend here (issue 52): the ablation's report from its setups' ``hf-relpos lengthgen``
 folders. For repeat_copy and replace: t5_bias under each setup and NoPE where it was run, mean ± std over the
 learned seeds at 21-30 and 31-40 beside the paper's numbers; how the wrong test answers fail, by bucket (each
-record's ``failures_by_length``); and a plot of the learned T5 bias per bucket and head of each setup's best
-state (each record's ``position_parameters``).
+record's ``failures_by_length``); where each run first goes wrong beside the first length that reads a bucket
+training never read; reverse for the six schemes; and a plot of the learned T5 bias per bucket and head of each
+setup's best state (each record's ``position_parameters``). A ``preface.md`` in the output folder (the runs' state
+and the verdict, written by hand) goes under the title.
 
     python scripts/lengthgen_ablation.py                   # the setups below -> results/lengthgen-ablation/
     python scripts/lengthgen_ablation.py --setup a=results/lengthgen --setup b=runs/ablation-b --output /tmp/abl
@@ -36,6 +38,9 @@ SETUPS = {
 # Kazemnejad et al. 2023 (their figure's numbers as the issue quotes them): exact match at 21-30 / 31-40
 PAPER = {("replace", "t5_bias"): (94.4, 93.4), ("repeat_copy", "t5_bias"): (98.3, 55.9)}
 TABLE = "model.position.relative_attention_bias.weight"
+# reverse for the study's six schemes (the issue's last table), in a folder of its own
+REVERSE = "results/lengthgen-ablation/reverse"
+REVERSE_SCHEMES = ("nope", "t5_bias", "alibi", "rope", "learned", "sinusoidal")
 
 
 def setup_records(folder: Path, task: str, scheme: str) -> list:
@@ -100,10 +105,12 @@ def _cell(row: dict, key: str) -> str:
     return f"{100 * mean:.1f} ± {100 * std:.1f}{note}"
 
 
-def report(setups: dict, out: Path, train_length: int = 20, gate: float = 0.95) -> str:
+def report(setups: dict, out: Path, train_length: int = 20, gate: float = 0.95, reverse=None) -> str:
     buckets = [b for b in lg.buckets(train_length) if b[0] > train_length]
     names = [lg.bucket_name(b) for b in buckets]
+    preface = out / "preface.md"  # the state of the runs and the verdict, by hand: kept when the report is rewritten
     lines = ["# Why T5's bias does not extend here: the ablation", "",
+             *([preface.read_text().strip(), ""] if preface.exists() else []),
              "Exact match (%) of greedy decoding past the training lengths (trained on 1-20), mean ± std over the "
              f"learned seeds (best validation accuracy ≥ {gate:.0%}), each setup's runs at the learning rate the "
              "study chooses. `python scripts/lengthgen_ablation.py`.", "", "| setup | what it changes | folder |",
@@ -149,6 +156,19 @@ def report(setups: dict, out: Path, train_length: int = 20, gate: float = 0.95) 
               "Records made before the classification existed are left out.", "",
               "| task | setup | scheme | lengths | " + " | ".join(command.FAILURE_KINDS) + " |",
               "| --- | --- | --- | --- | ---: | ---: | ---: |", *failures]
+    if reverse is not None:
+        lines += ["", "## reverse (the study's six schemes, the study's setup)", "",
+                  f"`hf-relpos lengthgen --tasks reverse --lrs 1e-3 3e-3` in `{reverse}`; as above, mean ± std over "
+                  "the learned seeds at the learning rate the study chooses, or the best validation accuracy of a "
+                  "scheme that learned it in no seed.", "",
+                  f"| scheme | seeds | {' | '.join(names)} |", "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
+        for scheme in REVERSE_SCHEMES:
+            records = setup_records(Path(reverse), "reverse", scheme)
+            if records:
+                row = command.aggregate(records, train_length, gate)[0]
+                lines.append(f"| {scheme} | {len(records)} | " + " | ".join(_cell(row, n) for n in names) + " |")
+            else:
+                lines.append(f"| {scheme} | 0 | " + " | ".join("not run" for _ in names) + " |")
     out.mkdir(parents=True, exist_ok=True)
     if tables:
         plot_tables(tables, out / "t5-bias-tables.png")
@@ -183,12 +203,13 @@ def main(argv=None) -> None:
     parser.add_argument("--setup", action="append", default=[], metavar="LETTER=FOLDER",
                         help="a setup's folder (default: the issue's a-d in SETUPS)")
     parser.add_argument("--output", default="results/lengthgen-ablation")
+    parser.add_argument("--reverse", default=REVERSE, help="the reverse runs' folder (default: %(default)s)")
     args = parser.parse_args(argv)
     setups = dict(SETUPS)
     for given in args.setup:
         letter, _, folder = given.partition("=")
         setups[letter] = (SETUPS.get(letter, (letter, ""))[0], folder)
-    print(report(setups, Path(args.output)))
+    print(report(setups, Path(args.output), reverse=args.reverse))
 
 
 if __name__ == "__main__":

@@ -75,3 +75,28 @@ def test_first_wrong_length_is_the_shortest_past_training():
     record = {"right_by_length": {"19": [9, 10], "21": [10, 10], "23": [3, 10], "22": [8, 10], "30": [0, 10]}}
     assert ablation.first_wrong_length(record, 20) == 22
     assert ablation.first_wrong_length({"right_by_length": {"21": [10, 10]}}, 20) is None
+
+
+def test_reverse_has_a_row_per_scheme_with_the_studys_aggregate(tmp_path):
+    folder = tmp_path / "reverse"
+    for seed, best in ((0, 1.0), (1, 1.0), (2, 0.5)):
+        record = _record("reverse", seed, {}, [[0.0]] * 8, best=best)
+        record["task"] = "reverse"
+        path = command.record_path(folder, "reverse", "nope", seed, 1e-3)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    text = ablation.report({}, tmp_path / "out", reverse=str(folder))
+    records = [json.loads(p.read_text()) for p in sorted(folder.rglob("seed-*.json"))]
+    row = command.aggregate(records, 20, 0.95)[0]
+    cells = " | ".join(f"{100 * row[k]:.1f} ± {100 * row[f'{k}_std']:.1f} (2 of 3)" for k in ("21-30", "31-40"))
+    assert f"| nope | 3 | {cells} |" in text
+    assert "| rope | 0 | not run | not run |" in text
+
+
+def test_a_preface_by_hand_survives_the_rewrite(tmp_path):
+    (tmp_path / "preface.md").write_text("**Partial**: the verdict so far.\n")
+    ablation.report({}, tmp_path)
+    ablation.report({}, tmp_path)
+    text = (tmp_path / "ablation.md").read_text()
+    assert text.startswith("# Why T5's bias does not extend here: the ablation\n\n**Partial**: the verdict so far.\n")
+    assert text.count("**Partial**") == 1
