@@ -444,7 +444,10 @@ def saturating_bias_banded_applies(
     None means :data:`CAUSAL_BIAS_BAND_MIN_LENGTH` or :data:`BIAS_BAND_MIN_LENGTH`."""
     if min_length is None:
         min_length = CAUSAL_BIAS_BAND_MIN_LENGTH if is_causal else BIAS_BAND_MIN_LENGTH
-    return _banded_applies(q, k, v, bias.shape[1] // 2 - 1, attention_mask, 0, 0.0, min_length)
+    reach = bias.shape[1] // 2 - 1
+    # The band pays only where it is a small part of each row (T5's: 181 of 2,048); a bias that never saturates
+    # (bidirectional ALiBi's, s = n - 1) would make it the whole row.
+    return 4 * (reach + 1) <= q.shape[2] and _banded_applies(q, k, v, reach, attention_mask, 0, 0.0, min_length)
 
 
 def saturating_bias_banded(

@@ -291,6 +291,9 @@ class AlibiScheme(AdditiveBiasScheme):
         # lift a fresh tensor under the path it reached the module by (after Transformers' DynamoExporter,
         # `model.forward.__self__...`, which unlifting cannot find).
         self.slopes = alibi_slopes(self.num_heads, device="cpu", dtype=torch.float32)
+        # Causal: a bias per key (softmax ignores the row constant). Bidirectional: a bias of the distance, like T5's
+        # but never constant, which the fused kernel reads as a view of its 2n - 1 values.
+        self.compact_form = "key" if config.is_decoder else "distance"
 
     def bias(self, ctx, device, dtype):
         return alibi_bias(
@@ -301,7 +304,13 @@ class AlibiScheme(AdditiveBiasScheme):
     def compact(self, ctx, device, dtype):
         """Causal ALiBi as a bias per key ``[H, K]`` (softmax ignores the row constant), which rides in the
         fused causal kernel (causal_key_bias_attention); in float64, so that the kernel's per-chunk
-        differences of it are exact."""
+        differences of it are exact. Bidirectional ALiBi as the bias of every distance ``-(n-1) .. n-1``
+        (``[H, 2n-1]``, the dense bias's values), which saturating_bias_attention takes with ``s = n - 1``."""
+        if self.compact_form == "distance":
+            n = ctx.query_length
+            if ctx.causal or n < 2 or ctx.key_length != n or ctx.relative_position is not None:
+                return None
+            return alibi_bias(self.slopes.to(device), 1, 2 * n - 1, past_length=n - 1)[0, :, 0]
         if not ctx.causal or ctx.query_length < 2:
             return None
         return alibi_key_bias(alibi_slopes(self.num_heads, device=device, dtype=torch.float64), ctx.key_length)
