@@ -281,7 +281,7 @@ class LogDecayScheme(AdditiveBiasScheme):
 class AlibiScheme(AdditiveBiasScheme):
     """Press et al. 2022: ``-m_h·|i - j|`` with fixed geometric head slopes."""
 
-    compact_form = "key"
+    compact_form = "key"  # causal; a bidirectional model's scheme takes "distance" (__init__)
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
