@@ -129,15 +129,6 @@ class RelPosGenerationMixin(GenerationMixin):
             config._attn_implementation = "sdpa"
         return create_masks_for_generate(*args, config=config, **kwargs)
 
-    def _valid_auto_compile_criteria(self, model_kwargs, generation_config, *args, **kwargs) -> bool:
-        """Transformers' choice to compile the decoding step on its own (a static cache on a GPU), except for a scheme
-        whose compiled step is slower than eager's (``PositionScheme.compiles_decoding``: Transformer-XL): there
-        only a ``compile_config`` the caller gives asks for it (as its ``torch.compile`` of the model does)."""
-        config = self.config.get_text_config(decoder=True)
-        if not POSITION_SCHEMES[config.position_encoding].compiles_decoding and generation_config.compile_config is None:
-            return False
-        return super()._valid_auto_compile_criteria(model_kwargs, generation_config, *args, **kwargs)
-
     def _get_static_cache_init_shape(self, *args, **kwargs):
         """Transformers sizes an eagerly initialised StaticCache (``prefill_chunk_size``) for keys of head_dim: where
         the scheme carries more channels in its keys (FoX), the cache initialises from the first keys instead."""

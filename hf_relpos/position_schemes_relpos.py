@@ -94,9 +94,6 @@ class PositionScheme(nn.Module):
     context_parallel: bool = False
     # Whether the model takes a segment memory (``mems``, Transformer-XL's) where the config's mem_len > 0.
     takes_memory: bool = False
-    # Whether ``generate`` may compile the decoding step on its own (Transformers' automatic compile with a static
-    # cache on a GPU): False where a compiled step is slower than eager's, which keeps work between steps.
-    compiles_decoding: bool = True
 
     @staticmethod
     def continuous_batching_refusal(config: RelPosConfig) -> Optional[str]:
@@ -643,9 +640,6 @@ class TransformerXLScheme(PositionScheme):
         (r"r_[wr]_bias", (("num_attention_heads",), ("head_dim",))),
     )
     takes_memory = True  # Dai et al.'s segment memory (``mems``), where mem_len > 0
-    # Eager decoding keeps each cache slot's W_{k,R}·R between steps; a compiled step projects them all again, at
-    # 0.42x eager's tokens/s at a context of 1,024 (results/bench-cpu-compiled.md): generate stays eager.
-    compiles_decoding = False
     score_form = None
     score_refusal = (
         "Transformer-XL's position term multiplies each query (plus v) with a projected sinusoid of each distance, "
@@ -673,11 +667,11 @@ class TransformerXLScheme(PositionScheme):
     def layer_module(config):
         return TransformerXLRelative(config)
 
-    def _distances(self, values, low, high) -> "RelativeDistances":
+    def _distances(self, values, low, high, reach) -> "RelativeDistances":
         if not (self.training and self.sinusoid_dropout > 0):
-            return RelativeDistances(values, low, high)
+            return RelativeDistances(values, low, high, reach=reach)
         sinusoid = F.dropout(sinusoidal_embedding(values, self.hidden_size), self.sinusoid_dropout, training=True)
-        return RelativeDistances(values, low, high, sinusoid)
+        return RelativeDistances(values, low, high, reach=reach, sinusoid=sinusoid)
 
     def forward(self, ctx, device, dtype):
         """Distances from the last query's, ``past + Q - 1``, down over the ``R`` positions the relative shift
@@ -688,15 +682,17 @@ class TransformerXLScheme(PositionScheme):
         if ctx.relative_position is not None:  # explicit positions: every distance K-1 .. 0 a pair may have
             high = ctx.key_length - 1
         values = high - torch.arange(length, device=device)
-        if ctx.traced_offset:  # a traced static cache: the projection is computed whole (see TransformerXLRelative)
-            if self.clamp_len > 0:
-                values = values.clamp(-self.clamp_len, self.clamp_len)
-            return self._distances(values, None, None), dtype
-        low = high - length + 1
+        # A query sees keys up to K-1 behind it and, bidirectional, up to Q-1 ahead (the cache ends at its last one).
+        reach = (0 if ctx.causal else 1 - ctx.query_length, ctx.key_length - 1)
         if self.clamp_len > 0:
             values = values.clamp(-self.clamp_len, self.clamp_len)
+            reach = tuple(min(max(d, -self.clamp_len), self.clamp_len) for d in reach)
+        if ctx.traced_offset:  # a traced static cache: the kept projections, gathered (see TransformerXLRelative)
+            return self._distances(values, None, None, reach), dtype
+        low = high - length + 1
+        if self.clamp_len > 0:
             high, low = min(high, self.clamp_len), max(low, -self.clamp_len)
-        return self._distances(values, low, high), dtype
+        return self._distances(values, low, high, reach), dtype
 
     def attend(self, attn, query, key, value, term, ctx):
         distances, dtype = term

@@ -30,6 +30,7 @@ class TransformerXLRelative(nn.Module):
         self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self._projected = None  # inference only: (weights, device, dtype, highest distance, [H, span, D] descending)
+        self.register_load_state_dict_pre_hook(lambda *args: setattr(self, "_projected", None))
 
     def init_position_weights(self, std: float) -> None:
         """``_init_weights``: ``u`` and ``v`` N(0, std) (``r_net`` is a Linear, initialised as the others)."""
@@ -59,17 +60,26 @@ class TransformerXLRelative(nn.Module):
         equal, value for value, a copy taken with them: an update through ``.data``, a fused
         optimizer or ``load_state_dict`` changes no version counter that could be trusted instead.
         """
+        kept = distances.sinusoid is None  # a dropped R is this forward's alone
+        if torch.compiler.is_compiling():
+            table = None if torch.is_grad_enabled() or not kept else self._table_for(distances, dtype)
+            if table is None:
+                return self._project(distances.values, dtype, distances.sinusoid), self.r_w_bias, self.r_r_bias
+            top, projected = table
+            # Slots outside the reach (a static cache's unfilled ones) are masked: any row of the table will do.
+            index = (top - distances.values).clamp(0, projected.shape[1] - 1)
+            return projected[:, index], self.r_w_bias, self.r_r_bias
         weights = [p.detach() for p in self.r_net.parameters()]
         # Weights offloaded by accelerate sit on the meta device outside r_net's own forward: nothing to compare.
-        kept = distances.sinusoid is None  # a dropped R is this forward's alone
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(w.is_meta for w in weights) or not kept:
+        if torch.is_grad_enabled() or any(w.is_meta for w in weights) or not kept:
             self._projected = None
             return self._project(distances.values, dtype, distances.sinusoid), self.r_w_bias, self.r_r_bias
         device = distances.values.device
         cached = self._projected
         valid = cached is not None and self._same(cached[0], weights) and cached[1:3] == (device, dtype)
-        if not valid or distances.high > cached[3] or distances.low <= cached[3] - cached[4].shape[1]:
-            high, low = distances.high, distances.low
+        # A static cache's prefill also makes the distances its later (compiled) steps reach.
+        high, low = max(distances.high, distances.reach[1]), min(distances.low, distances.reach[0])
+        if not valid or high > cached[3] or low <= cached[3] - cached[4].shape[1]:
             if valid:
                 high, low = max(2 * high, cached[3]), min(low, cached[3] - cached[4].shape[1] + 1)
             projected = self._project(torch.arange(high, low - 1, -1, device=device), dtype)
@@ -79,6 +89,18 @@ class TransformerXLRelative(nn.Module):
         if distances.consecutive:
             return projected[:, top - distances.high : top - distances.low + 1], self.r_w_bias, self.r_r_bias
         return projected[:, top - distances.values], self.r_w_bias, self.r_r_bias
+
+    def _table_for(self, distances: "RelativeDistances", dtype):
+        """In a traced step: the kept ``(highest distance, [H, span, D])`` if it covers every distance the step can
+        reach, else None. Its weights are not compared (a trace reads no value on the host): the table is the one
+        the last eager inference forward checked or made, as ``generate``'s eager prefill does before every
+        compiled step; ``train()``, ``eval()``, a forward with gradients and ``load_state_dict`` drop it."""
+        cached = self._projected
+        if cached is None or cached[1:3] != (distances.values.device, dtype):
+            return None
+        top, projected = cached[3], cached[4]
+        low, high = distances.reach
+        return (top, projected) if high <= top and low > top - projected.shape[1] else None
 
     @staticmethod
     def _same(kept: list, weights: list) -> bool:
@@ -112,8 +134,11 @@ class RelativeDistances:
     """Transformer-XL's distances ``K-1, K-2, ...`` (clamped), with their range known without a sync."""
 
     values: torch.Tensor
-    low: int
-    high: int
+    low: Optional[int]  # None in a traced static cache, whose offset is not known on the host
+    high: Optional[int]
+    # The lowest and highest distance an unmasked pair of this forward can have, known from the shapes alone: a
+    # static cache's prefill builds the kept projections over it for the decoding steps that follow.
+    reach: tuple = (0, 0)
     # Training with dropout_placement="transfo_xl": the sinusoids R of ``values``, dropped once for all layers
     # (Dai et al.'s ``pos_emb = self.drop(pos_emb)``); None otherwise (each layer computes and may keep its own).
     sinusoid: Optional[torch.Tensor] = None

@@ -343,18 +343,15 @@ def test_generate_from_inputs_embeds(scheme):
     assert from_embeds.tolist() == from_ids.tolist()
 
 
-@pytest.mark.parametrize("scheme, compiles", [("rope", True), ("t5_bias", True), ("transformer_xl", False)])
-def test_generate_compiles_a_decoding_step_on_its_own_only_where_it_is_faster(scheme, compiles, monkeypatch):
+@pytest.mark.parametrize("scheme", ["rope", "t5_bias", "transformer_xl"])
+def test_generate_compiles_a_decoding_step_on_its_own_for_every_scheme(scheme, monkeypatch):
     """Transformers compiles the decoding step by itself with a static cache on a GPU (here, its criteria met as on
-    one): every scheme but Transformer-XL, whose compiled step was 0.42x eager's (PositionScheme.compiles_decoding);
-    its generate stays eager unless the caller's own compile_config asks for a compile."""
+    one), Transformer-XL's too: its compiled step reads the W_{k,R} R_d its eager prefill kept (1.8x eager's
+    tokens/s); it was kept eager while a compiled step projected them all again (0.42-0.59x)."""
     from transformers import GenerationConfig, GenerationMixin
-    from transformers.generation.configuration_utils import CompileConfig
 
     monkeypatch.setattr(GenerationMixin, "_valid_auto_compile_criteria", lambda self, kwargs, config: True)
     model = build(scheme, impl="sdpa")
     cache = StaticCache(config=model.config, max_cache_len=16)
     kwargs = {"cache": cache, "past_key_values": cache}  # the cache's keyword: 5.24 renamed it
-    assert model._valid_auto_compile_criteria(kwargs, GenerationConfig()) is compiles
-    asked = GenerationConfig(compile_config=CompileConfig())
-    assert model._valid_auto_compile_criteria(kwargs, asked) is True
+    assert model._valid_auto_compile_criteria(kwargs, GenerationConfig()) is True

@@ -326,6 +326,48 @@ def test_transformer_xl_projection_cache_follows_any_weight_update(how):
         torch.testing.assert_close(model(ids).logits, fresh(ids).logits, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("clamp_len", [-1, 5])
+def test_transformer_xl_compiled_step_reads_the_projections_its_eager_prefill_kept(clamp_len):
+    """A compiled decoding step into a StaticCache gathers the W_{k,R} R_d that the eager prefill kept over every
+    distance the cache can reach (no sinusoid or projection in its graph; it projected all slots' before, 0.42-0.59x
+    eager's tokens/s), gives eager's logits, and after a weight change and a new eager prefill reads the rebuilt
+    projections with the same graph (an input of the graph, not a constant)."""
+    import torch._dynamo
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    model = build("transformer_xl", impl="sdpa", clamp_len=clamp_len).eval()
+    ids, slots = rand_ids(2, 6, seed=21), 12
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(lambda x, c: model(x, past_key_values=c, use_cache=True).logits, fullgraph=True,
+                         backend=record)
+
+    def decode(steps):  # eager and compiled steps from one eager prefill each, fed eager's tokens
+        caches = [StaticCache(config=model.config, max_cache_len=slots) for _ in range(2)]
+        token = [model(ids, past_key_values=c, use_cache=True).logits for c in caches][0][:, -1:].argmax(-1)
+        for t in range(steps):
+            expected = model(token, past_key_values=caches[0], use_cache=True).logits
+            assert_close(step(token, caches[1]), expected, what=f"compiled step {t}")
+            token = expected[:, -1:].argmax(-1)
+
+    with torch.no_grad():
+        decode(4)
+        for layer in model.model.layers:
+            kept = layer.self_attn.relative._projected
+            assert kept[3] >= (slots - 1 if clamp_len < 0 else clamp_len), "the prefill keeps the distances later steps reach"
+            _through_data_mul(layer.self_attn.relative.r_net.weight)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            decode(3)
+    assert len(graphs) == 1
+    calls = {str(node.target) for node in graphs[0].graph.nodes}
+    assert not any("sin" in c or "cos" in c for c in calls), sorted(calls)
+
+
 def test_transformer_xl_projection_cache_leaves_the_weights_storage_resizable():
     """The kept projections' key check reads W_{k,R} on the host without ``Tensor.numpy()``, which marks the
     weight's storage non-resizable for good: FSDP2 frees each layer's gathered weights by resizing their storage
