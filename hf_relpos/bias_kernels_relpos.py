@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_utils_relpos import _exporting
-from .denormals_relpos import flush_denormals, flushing_denormals
+from .denormals_relpos import flushing_backward, flushing_denormals
 
 FUSED_BIAS_CHUNK = 256  # query rows per chunk of the backward
 
@@ -101,13 +101,8 @@ class _AttentionWithBias(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
-        with flush_denormals():
-            return _AttentionWithBias._backward(ctx, saved, grad_out)
-
-    @staticmethod
-    def _backward(ctx, saved, grad_out):
+    @flushing_backward
+    def backward(ctx, saved, grad_out):
         q, k, v, bias, out, lse = saved
         work = torch.promote_types(q.dtype, torch.float32)
         dbias = torch.empty(bias.shape, dtype=work, device=bias.device) if ctx.needs_input_grad[3] else None
@@ -212,13 +207,8 @@ class _AttentionWithDistanceBias(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
-        with flush_denormals():
-            return _AttentionWithDistanceBias._backward(ctx, saved, grad_out)
-
-    @staticmethod
-    def _backward(ctx, saved, grad_out):
+    @flushing_backward
+    def backward(ctx, saved, grad_out):
         q, k, v, table, mask, out, lse = saved
         n = q.shape[2]
         # Made again (a view, or the view plus the mask): nothing [n, n] was kept. Under create_graph, from the

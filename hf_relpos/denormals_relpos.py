@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-__all__ = ["flush_denormals", "flushing_denormals", "supported"]
+__all__ = ["flush_denormals", "flushing_backward", "flushing_denormals", "supported"]
 
 _FENV_BYTES = 32  # glibc's fenv_t on x86-64: the x87 environment (28 bytes), then MXCSR
 _MXCSR_AT = 28
@@ -104,5 +104,19 @@ def flushing_denormals(function):
     def wrapper(*args, **kwargs):
         with flush_denormals():
             return function(*args, **kwargs)
+
+    return wrapper
+
+
+def flushing_backward(backward):
+    """An autograd Function's ``backward(ctx, saved, *grads)`` as ``backward(ctx, *grads)``: ``ctx.saved_tensors``
+    unpacked first (a checkpointed layer recomputes its forward there, as it first ran), the rest under
+    :func:`flush_denormals`."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        saved = ctx.saved_tensors
+        with flush_denormals():
+            return backward(ctx, saved, *grads)
 
     return wrapper

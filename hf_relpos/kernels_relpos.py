@@ -27,6 +27,7 @@ Flat module (remote code copies it beside ``modeling_relpos.py``): relative impo
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -47,7 +48,7 @@ from .bias_kernels_relpos import (  # noqa: F401 (re-exported: this module is th
     fused_bias_attention,
     toeplitz_bias,
 )
-from .denormals_relpos import flush_denormals, flushing_denormals
+from .denormals_relpos import flushing_backward, flushing_denormals
 
 __all__ = [
     "fused_bias_applies",
@@ -192,6 +193,17 @@ def _row_chunks(n: int, rows: int):
     return [(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
+def _without_autocast(backward):
+    """``backward(ctx, saved, grad_out)`` with autocast off: its matmuls run in the working dtype it casts to."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, saved, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return backward(ctx, saved, grad_out)
+
+    return wrapper
+
+
 class _BandedAttention(torch.autograd.Function):
     """Attention whose position terms stop changing beyond a distance, as three parts merged by log-sum-exp.
 
@@ -290,13 +302,9 @@ class _BandedAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the fused kernel's backward has no derivative of its own
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
-        with torch.autocast(grad_out.device.type, enabled=False), flush_denormals():
-            return _BandedAttention._backward(ctx, saved, grad_out)
-
-    @staticmethod
-    def _backward(ctx, saved, grad_out):
+    @flushing_backward
+    @_without_autocast
+    def backward(ctx, saved, grad_out):
         q, k, v, rel_k, rel_v, bias, keys, out, lse, *parts = saved
         reach, causal, scale = ctx.reach, ctx.causal, ctx.scale
         work = torch.promote_types(q.dtype, torch.float32)
@@ -690,13 +698,8 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors  # unpacked before the flush: a checkpointed layer recomputes here as it first ran
-        with flush_denormals():
-            return _CausalKeyBiasAttention._backward(ctx, saved, grad_out)
-
-    @staticmethod
-    def _backward(ctx, saved, grad_out):
+    @flushing_backward
+    def backward(ctx, saved, grad_out):
         q, k, v, key_bias, keys, out, lse = saved
         grad_bias = ctx.needs_input_grad[3]
         grad_out = grad_out.contiguous()
