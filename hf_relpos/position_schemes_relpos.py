@@ -154,16 +154,27 @@ class AdditiveBiasScheme(PositionScheme):
     """
 
     score_form = "distance"
+    # A bias of the signed distance alone that never stops changing (ALiBi's, log-decay's, KERPLE's): a bidirectional
+    # model's scheme hands it over as the bias of every distance (compact_form "distance", ``compact``).
+    of_distance_alone: bool = False
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.attention_dropout = config.attention_dropout
+        if self.of_distance_alone and not config.is_decoder:
+            self.compact_form = "distance"
 
     def bias(self, ctx: PositionContext, device, dtype) -> torch.Tensor:
         raise NotImplementedError
 
     def compact(self, ctx: PositionContext, device, dtype) -> Optional[torch.Tensor]:
-        return None
+        """A bidirectional bias of the distance alone as the bias of every distance ``-(n-1) .. n-1`` (``[H, 2n-1]``,
+        each value as the dense bias computes it: ``bias_by_distance``), which saturating_bias_attention takes with
+        ``s = n - 1`` and the fused kernel reads as a view; None elsewhere (causal, a cache, explicit positions)."""
+        n = ctx.query_length
+        if self.compact_form != "distance" or ctx.causal or n < 2 or ctx.key_length != n:
+            return None
+        return None if ctx.relative_position is not None else self.bias_by_distance(ctx, device)
 
     def bias_by_distance(self, ctx: PositionContext, device) -> torch.Tensor:
         """``[H, Q + K - 1]``: the bias of every signed distance ``j - (past + i)`` the forward holds, at index
@@ -258,6 +269,8 @@ class T5BiasScheme(AdditiveBiasScheme):
 class LogDecayScheme(AdditiveBiasScheme):
     """The fixed bias ``-λ·ln(1 + |i - j|)``, the same for every head."""
 
+    of_distance_alone = True
+
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
         self.scale = config.log_decay_scale
@@ -278,7 +291,8 @@ class LogDecayScheme(AdditiveBiasScheme):
 class AlibiScheme(AdditiveBiasScheme):
     """Press et al. 2022: ``-m_h·|i - j|`` with fixed geometric head slopes."""
 
-    compact_form = "key"  # causal; a bidirectional model's scheme takes "distance" (__init__)
+    compact_form = "key"  # causal; a bidirectional model's scheme takes "distance" (AdditiveBiasScheme.__init__)
+    of_distance_alone = True
 
     def __init__(self, config: RelPosConfig):
         super().__init__(config)
@@ -288,9 +302,6 @@ class AlibiScheme(AdditiveBiasScheme):
         # lift a fresh tensor under the path it reached the module by (after Transformers' DynamoExporter,
         # `model.forward.__self__...`, which unlifting cannot find).
         self.slopes = alibi_slopes(self.num_heads, device="cpu", dtype=torch.float32)
-        # Causal: a bias per key (softmax ignores the row constant). Bidirectional: a bias of the distance, like T5's
-        # but never constant, which the fused kernel reads as a view of its 2n - 1 values.
-        self.compact_form = "key" if config.is_decoder else "distance"
 
     def bias(self, ctx, device, dtype):
         return alibi_bias(
@@ -301,13 +312,9 @@ class AlibiScheme(AdditiveBiasScheme):
     def compact(self, ctx, device, dtype):
         """Causal ALiBi as a bias per key ``[H, K]`` (softmax ignores the row constant), which rides in the
         fused causal kernel (causal_key_bias_attention); in float64, so that the kernel's per-chunk
-        differences of it are exact. Bidirectional ALiBi as the bias of every distance ``-(n-1) .. n-1``
-        (``[H, 2n-1]``, the dense bias's values), which saturating_bias_attention takes with ``s = n - 1``."""
+        differences of it are exact. Bidirectional ALiBi as the bias of every distance (``AdditiveBiasScheme``)."""
         if self.compact_form == "distance":
-            n = ctx.query_length
-            if ctx.causal or n < 2 or ctx.key_length != n or ctx.relative_position is not None:
-                return None
-            return alibi_bias(self.slopes.to(device), 1, 2 * n - 1, past_length=n - 1)[0, :, 0]
+            return super().compact(ctx, device, dtype)
         if not ctx.causal or ctx.query_length < 2:
             return None
         return alibi_key_bias(alibi_slopes(self.num_heads, device=device, dtype=torch.float64), ctx.key_length)
@@ -320,6 +327,8 @@ class AlibiScheme(AdditiveBiasScheme):
 
 class KerpleLogScheme(AdditiveBiasScheme):
     """Chi et al. 2022 (KERPLE, logarithmic variant): ``-r1_h·ln(1 + r2_h·|i - j|)``, learned ``r1_h, r2_h > 0``."""
+
+    of_distance_alone = True
 
     # KERPLE's code keeps r1, r2 positive by clamping them at this floor.
     floor = 1e-2

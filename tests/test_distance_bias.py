@@ -233,13 +233,17 @@ def test_a_bias_that_never_saturates_takes_the_distance_path_not_the_band(taken,
             torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("scheme", ["alibi", "log_decay", "kerple_log"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_a_bidirectional_alibi_model_takes_the_distance_path_with_the_dense_bias_results(taken, monkeypatch, padded):
-    """The model's compact ALiBi term (the bias of every distance) gives the outputs and gradients of its dense
-    [1, H, n, n] bias, which the model tests check against the float64 model oracle."""
+def test_a_bidirectional_bias_of_the_distance_alone_takes_the_distance_path_with_the_dense_bias_results(
+    taken, monkeypatch, padded, scheme
+):
+    """A bidirectional model's compact ALiBi, log-decay or KERPLE term (the bias of every distance) gives the outputs
+    and gradients (KERPLE's r1, r2 among them) of its dense [1, H, n, n] bias, which the model tests check against
+    the float64 model oracle."""
     from hf_relpos import RelPosConfig, RelPosModel
 
-    config = RelPosConfig(position_encoding="alibi", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+    config = RelPosConfig(position_encoding=scheme, vocab_size=64, hidden_size=32, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=64, is_decoder=False)
     torch.manual_seed(0)
     model = RelPosModel(config)
@@ -253,7 +257,7 @@ def test_a_bidirectional_alibi_model_takes_the_distance_path_with_the_dense_bias
         model.zero_grad()
         out = model(input_ids=ids, attention_mask=mask).last_hidden_state
         out.pow(2).mean().backward()
-        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     compact_out, compact_grads = run()
     assert len(taken) == config.num_hidden_layers
@@ -262,5 +266,7 @@ def test_a_bidirectional_alibi_model_takes_the_distance_path_with_the_dense_bias
     assert len(taken) == config.num_hidden_layers  # the dense bias does not take the distance path
     keep = mask.bool()
     torch.testing.assert_close(compact_out[keep], dense_out[keep], rtol=1e-6, atol=1e-6)
-    for a, b in zip(compact_grads, dense_grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert compact_grads.keys() == dense_grads.keys()
+    assert scheme != "kerple_log" or {"position.r1", "position.r2"} <= compact_grads.keys()
+    for name, grad in compact_grads.items():
+        torch.testing.assert_close(grad, dense_grads[name], rtol=1e-5, atol=1e-7, msg=name)
