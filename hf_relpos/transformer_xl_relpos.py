@@ -19,6 +19,23 @@ from .configuration_relpos import RelPosConfig
 from .functional_relpos import sinusoidal_embedding
 
 
+@dataclass
+class _Kept:
+    """Inference's kept projections: ``table`` ``[H, top - low + 1, D]``, ``W_{k,R} R_d`` for ``d = top .. low``
+    (descending), made with ``weights`` (copies) on ``device`` in ``dtype``. Rows below ``floor`` are zeros, not
+    projections: the distances there belonged to masked slots only (a static cache's unfilled ones).
+    ``bounds``: ``[top, floor]`` as a tensor, which a traced step reads without a guard on their values."""
+
+    weights: list
+    device: torch.device
+    dtype: torch.dtype
+    top: int
+    low: int
+    floor: int
+    table: torch.Tensor
+    bounds: torch.Tensor
+
+
 class TransformerXLRelative(nn.Module):
     """One layer's ``W_{k,R}`` (``r_net``) and global biases ``u`` (``r_w_bias``), ``v`` (``r_r_bias``)."""
 
@@ -29,8 +46,7 @@ class TransformerXLRelative(nn.Module):
         self.r_net = nn.Linear(config.hidden_size, config.num_attention_heads * config.head_dim, bias=False)
         self.r_w_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
         self.r_r_bias = nn.Parameter(torch.zeros(config.num_attention_heads, config.head_dim))
-        self._projected = None  # inference only: (weights, device, dtype, highest distance, [H, span, D] descending)
-        self.register_load_state_dict_pre_hook(lambda *args: setattr(self, "_projected", None))
+        self._projected: Optional[_Kept] = None  # inference only
 
     def init_position_weights(self, std: float) -> None:
         """``_init_weights``: ``u`` and ``v`` N(0, std) (``r_net`` is a Linear, initialised as the others)."""
@@ -40,6 +56,10 @@ class TransformerXLRelative(nn.Module):
     def train(self, mode: bool = True):
         self._projected = None
         return super().train(mode)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._projected = None  # other weights, loaded in place
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def _project(self, distances: torch.Tensor, dtype, sinusoid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``W_{k,R} R_d`` per head: ``[H, len(distances), D]`` (``sinusoid``: ``R`` already made, and dropped)."""
@@ -55,20 +75,15 @@ class TransformerXLRelative(nn.Module):
         In inference the projections of a range of distances are kept, highest distance first, and
         reused: a decoding step reads the slice for ``K-1 .. 0`` (a view, no copy) instead of
         projecting ``K`` sinusoids again (an ``O(K·hidden²)`` matmul per layer and token). The
-        range doubles when exceeded. The kept projections are dropped by every forward with
-        gradients and every ``train()``/``eval()`` switch, and rebuilt unless ``r_net``'s weights
-        equal, value for value, a copy taken with them: an update through ``.data``, a fused
-        optimizer or ``load_state_dict`` changes no version counter that could be trusted instead.
+        range doubles when exceeded; a static cache's prefill covers every distance its later steps reach. The kept
+        projections are dropped by every forward with gradients, every ``train()``/``eval()`` switch and
+        ``load_state_dict``, and rebuilt unless ``r_net``'s weights equal, value for value, a copy taken with them:
+        an update through ``.data``, a fused optimizer or a merged adapter changes no version counter that could be
+        trusted instead. A traced static-cache step (``_traced``) makes the same check in its graph.
         """
         kept = distances.sinusoid is None  # a dropped R is this forward's alone
         if torch.compiler.is_compiling():
-            table = None if torch.is_grad_enabled() or not kept else self._table_for(distances, dtype)
-            if table is None:
-                return self._project(distances.values, dtype, distances.sinusoid), self.r_w_bias, self.r_r_bias
-            top, projected = table
-            # Slots outside the reach (a static cache's unfilled ones) are masked: any row of the table will do.
-            index = (top - distances.values).clamp(0, projected.shape[1] - 1)
-            return projected[:, index], self.r_w_bias, self.r_r_bias
+            return self._traced(distances, dtype, kept), self.r_w_bias, self.r_r_bias
         weights = [p.detach() for p in self.r_net.parameters()]
         # Weights offloaded by accelerate sit on the meta device outside r_net's own forward: nothing to compare.
         if torch.is_grad_enabled() or any(w.is_meta for w in weights) or not kept:
@@ -76,31 +91,50 @@ class TransformerXLRelative(nn.Module):
             return self._project(distances.values, dtype, distances.sinusoid), self.r_w_bias, self.r_r_bias
         device = distances.values.device
         cached = self._projected
-        valid = cached is not None and self._same(cached[0], weights) and cached[1:3] == (device, dtype)
-        # A static cache's prefill also makes the distances its later (compiled) steps reach.
-        high, low = max(distances.high, distances.reach[1]), min(distances.low, distances.reach[0])
-        if not valid or high > cached[3] or low <= cached[3] - cached[4].shape[1]:
-            if valid:
-                high, low = max(2 * high, cached[3]), min(low, cached[3] - cached[4].shape[1] + 1)
-            projected = self._project(torch.arange(high, low - 1, -1, device=device), dtype)
-            cached = ([w.clone() for w in weights], device, dtype, high, projected)
-            self._projected = cached
-        top, projected = cached[3], cached[4]
+        valid = cached is not None and self._same(cached.weights, weights) and (cached.device, cached.dtype) == (
+            device, dtype)
+        # The view spans low .. high; distances below the reach belong to masked slots alone (zero rows); a static
+        # cache's prefill also covers the distances its later (compiled) steps reach.
+        high, low = max(distances.high, distances.reach[1]), distances.low
+        floor = max(low, distances.reach[0])
+        if not valid or high > cached.top or low < cached.low or floor < cached.floor:
+            if valid:  # a growing cache doubles its range; a static cache's reach is already all it will need
+                high = max(2 * distances.high, distances.reach[1], cached.top)
+                low, floor = min(low, cached.low), min(floor, cached.floor)
+            table = torch.zeros(self.num_heads, high - low + 1, self.head_dim, device=device, dtype=dtype)
+            table[:, : high - floor + 1] = self._project(torch.arange(high, floor - 1, -1, device=device), dtype)
+            bounds = torch.tensor([high, floor], device=device)
+            cached = self._projected = _Kept([w.clone() for w in weights], device, dtype, high, low, floor, table,
+                                             bounds)
+        top, table = cached.top, cached.table
         if distances.consecutive:
-            return projected[:, top - distances.high : top - distances.low + 1], self.r_w_bias, self.r_r_bias
-        return projected[:, top - distances.values], self.r_w_bias, self.r_r_bias
+            return table[:, top - distances.high : top - distances.low + 1], self.r_w_bias, self.r_r_bias
+        return table[:, top - distances.values], self.r_w_bias, self.r_r_bias
 
-    def _table_for(self, distances: "RelativeDistances", dtype):
-        """In a traced step: the kept ``(highest distance, [H, span, D])`` if it covers every distance the step can
-        reach, else None. Its weights are not compared (a trace reads no value on the host): the table is the one
-        the last eager inference forward checked or made, as ``generate``'s eager prefill does before every
-        compiled step; ``train()``, ``eval()``, a forward with gradients and ``load_state_dict`` drop it."""
+    def _traced(self, distances: "RelativeDistances", dtype, kept: bool) -> torch.Tensor:
+        """``W_{k,R} R_d`` in a trace. A static cache's step (its offset a tensor: ``high`` unknown) gathers the
+        kept projections where, checked in the graph (``torch.cond``: the trace reads no value on the host), they
+        were made with these very weights and cover every distance the step reaches; else, and everywhere else
+        (with gradients, while exporting: a program holds no table), it projects them."""
         cached = self._projected
-        if cached is None or cached[1:3] != (distances.values.device, dtype):
-            return None
-        top, projected = cached[3], cached[4]
+        values = distances.values
+        if (torch.is_grad_enabled() or not kept or distances.high is not None or torch.compiler.is_exporting()
+                or cached is None or (cached.device, cached.dtype) != (values.device, dtype)):
+            return self._project(values, dtype, distances.sinusoid)
         low, high = distances.reach
-        return (top, projected) if high <= top and low > top - projected.shape[1] else None
+        weights = list(self.r_net.parameters())
+        usable = (cached.bounds[0] >= high) & (cached.bounds[1] <= low)
+        for weight, copy in zip(weights, cached.weights, strict=True):
+            usable = usable & (weight == copy).all()
+
+        def gather(table, bounds, values):
+            # Slots outside the reach (a static cache's unfilled ones) are masked: any row of the table will do.
+            return table[:, (bounds[0] - values).clamp(0, table.shape[1] - 1)]
+
+        def project(table, bounds, values):
+            return self._project(values, dtype)
+
+        return torch.cond(usable, gather, project, (cached.table, cached.bounds, values))
 
     @staticmethod
     def _same(kept: list, weights: list) -> bool:

@@ -326,46 +326,104 @@ def test_transformer_xl_projection_cache_follows_any_weight_update(how):
         torch.testing.assert_close(model(ids).logits, fresh(ids).logits, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("clamp_len", [-1, 5])
-def test_transformer_xl_compiled_step_reads_the_projections_its_eager_prefill_kept(clamp_len):
-    """A compiled decoding step into a StaticCache gathers the W_{k,R} R_d that the eager prefill kept over every
-    distance the cache can reach (no sinusoid or projection in its graph; it projected all slots' before, 0.42-0.59x
-    eager's tokens/s), gives eager's logits, and after a weight change and a new eager prefill reads the rebuilt
-    projections with the same graph (an input of the graph, not a constant)."""
-    import torch._dynamo
-    from transformers import StaticCache
-
-    torch._dynamo.reset()
-    model = build("transformer_xl", impl="sdpa", clamp_len=clamp_len).eval()
-    ids, slots = rand_ids(2, 6, seed=21), 12
+def _record_graphs():
     graphs = []
 
     def record(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
+    return graphs, record
+
+
+@pytest.mark.parametrize("clamp_len", [-1, 5])
+def test_transformer_xl_compiled_step_reads_the_projections_its_eager_prefill_kept(clamp_len):
+    """A compiled decoding step into a StaticCache gathers the W_{k,R} R_d that the eager prefill kept over every
+    distance the cache can reach (it projected all slots' in every step before: 0.42-0.59x eager's tokens/s) and
+    gives eager's logits; the gathered rows are the kept ones (a table changed in place changes its logits)."""
+    import copy
+
+    import torch._dynamo
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    model = build("transformer_xl", impl="sdpa", clamp_len=clamp_len).eval()
+    ids, slots = rand_ids(2, 6, seed=21), 12
+    graphs, record = _record_graphs()
     step = torch.compile(lambda x, c: model(x, past_key_values=c, use_cache=True).logits, fullgraph=True,
                          backend=record)
-
-    def decode(steps):  # eager and compiled steps from one eager prefill each, fed eager's tokens
+    with torch.no_grad():
         caches = [StaticCache(config=model.config, max_cache_len=slots) for _ in range(2)]
         token = [model(ids, past_key_values=c, use_cache=True).logits for c in caches][0][:, -1:].argmax(-1)
-        for t in range(steps):
+        for t in range(4):
             expected = model(token, past_key_values=caches[0], use_cache=True).logits
             assert_close(step(token, caches[1]), expected, what=f"compiled step {t}")
             token = expected[:, -1:].argmax(-1)
+        layers = [layer.self_attn.relative for layer in model.model.layers]
+        for relative in layers:
+            kept = relative._projected
+            assert kept.top >= (slots - 1 if clamp_len < 0 else clamp_len), "the prefill keeps what the steps reach"
+            assert kept.floor >= 0, "a causal row's negative distances are masked slots': not projected"
+        other = copy.deepcopy(model)  # its own copy of the kept projections
+        for relative in layers:
+            relative._projected.table.mul_(0.5)
+        assert not torch.allclose(step(token, caches[1]), other(token, past_key_values=caches[0], use_cache=True).logits)
+    assert len(graphs) == 1
+
+
+def test_transformer_xl_compiled_forward_checks_the_kept_projections_against_the_weights():
+    """With the whole forward compiled (Transformers' recipe for a static cache, so no eager forward checks the kept
+    projections), a change of W_{k,R} in place after an eager forward makes the compiled prefill and steps project
+    again, in the same graphs: the check is in the graph (they read stale projections before: tokens differed)."""
+    import torch._dynamo
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    model = build("transformer_xl", impl="sdpa").eval()
+    ids, slots = rand_ids(2, 6, seed=22), 12
+    graphs, record = _record_graphs()
+    forward = torch.compile(lambda x, c: model(x, past_key_values=c, use_cache=True).logits, fullgraph=True,
+                            backend=record)
+
+    def decode(run):
+        cache, out = StaticCache(config=model.config, max_cache_len=slots), []
+        token = ids
+        for _ in range(4):
+            out.append(run(token, cache))
+            token = out[-1][:, -1:].argmax(-1)
+        return out
 
     with torch.no_grad():
-        decode(4)
+        decode(lambda x, c: model(x, past_key_values=c, use_cache=True).logits)  # eager: keeps the projections
+        decode(forward)
+        compiled = len(graphs)
         for layer in model.model.layers:
-            kept = layer.self_attn.relative._projected
-            assert kept[3] >= (slots - 1 if clamp_len < 0 else clamp_len), "the prefill keeps the distances later steps reach"
             _through_data_mul(layer.self_attn.relative.r_net.weight)
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            decode(3)
-    assert len(graphs) == 1
-    calls = {str(node.target) for node in graphs[0].graph.nodes}
-    assert not any("sin" in c or "cos" in c for c in calls), sorted(calls)
+        got = decode(forward)
+        fresh = build("transformer_xl", impl="sdpa", seed=3).eval()
+        fresh.load_state_dict(model.state_dict())
+        expected = decode(lambda x, c: fresh(x, past_key_values=c, use_cache=True).logits)
+    for t, (a, b) in enumerate(zip(got, expected)):
+        assert_close(a, b, what=f"compiled forward {t}")
+    assert len(graphs) == compiled
+
+
+def test_transformer_xl_with_kept_projections_pickles_and_copies():
+    """The model pickles with its kept projections (a lambda hook did not), and a copy's load_state_dict drops
+    the copy's kept projections, not the original's."""
+    import copy
+    import pickle
+
+    model = build("transformer_xl").eval()
+    ids = rand_ids(2, 8, seed=3)
+    with torch.no_grad():
+        expected = model(ids).logits
+        pickle.loads(pickle.dumps(model))
+        twin = copy.deepcopy(model)
+        twin.load_state_dict(build("transformer_xl", seed=1).state_dict())
+        assert all(layer.self_attn.relative._projected is not None for layer in model.model.layers)
+        assert_close(model(ids).logits, expected, what="the original after its copy loaded other weights")
+        assert_close(twin(ids).logits, build("transformer_xl", seed=1).eval()(ids).logits, what="the copy")
 
 
 def test_transformer_xl_projection_cache_leaves_the_weights_storage_resizable():
