@@ -211,6 +211,12 @@ class _AttentionWithDistanceBias(torch.autograd.Function):
     def backward(ctx, saved, grad_out):
         q, k, v, table, mask, out, lse = saved
         n = q.shape[2]
+        if not ctx.needs_input_grad[3] and not torch.is_grad_enabled():
+            # A fixed bias (ALiBi's, log-decay's): the fused kernel's own backward reads the same view as its forward.
+            bias = _AttentionWithDistanceBias._bias(table, mask, n, q.dtype)
+            dq, dk, dv = _flash_cpu_backward(grad_out.flip(2), q.flip(2), k, v, out.flip(2), lse, 0.0, False,
+                                             attn_mask=bias, scale=ctx.scale)
+            return dq.flip(2), dk, dv, None, None, None, None
         # Made again (a view, or the view plus the mask): nothing [n, n] was kept. Under create_graph, from the
         # table itself, so that it is differentiated too.
         bias = _AttentionWithDistanceBias._bias(table if torch.is_grad_enabled() else table.detach(), mask, n, q.dtype)

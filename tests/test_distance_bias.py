@@ -233,6 +233,43 @@ def test_a_bias_that_never_saturates_takes_the_distance_path_not_the_band(taken,
             torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masked", [None, "padded", "a row with no key"])
+def test_a_fixed_table_takes_the_fused_kernels_own_backward(monkeypatch, dtype, masked):
+    """A table that wants no gradient (ALiBi's, log-decay's slopes are fixed) is differentiated by the fused
+    kernel's own backward, reading the same view as the forward (the chunked backward made ALiBi's step 1.4x
+    rope's): values and gradients of q, k, v against the float64 oracle, zeros for a row with no key."""
+    fused = []
+    real = BK._flash_cpu_backward
+    monkeypatch.setattr(BK, "_flash_cpu_backward", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    B, H, n, D = 2, 2, 45, 8
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.125], dtype=torch.float64)
+    table = (-slopes[:, None] * torch.arange(-(n - 1), n, dtype=torch.float64).abs()).to(dtype)
+    keys = torch.ones(B, 1, n, n, dtype=torch.bool)
+    if masked == "padded":
+        keys[1, ..., n - 7:] = False
+    if masked == "a row with no key":
+        keys[0, :, 3] = False
+    mask = None if masked is None else torch.zeros(keys.shape, dtype=dtype).masked_fill(~keys, float("-inf"))
+    got = BK.distance_bias_attention(q, k, v, table, D**-0.5, mask=mask)
+    distance = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).abs().double()
+    scores = q.double() @ k.double().transpose(-1, -2) / D**0.5 - slopes[:, None, None] * distance
+    probs = torch.softmax(scores.masked_fill(~keys, float("-inf")), -1).nan_to_num(0.0)  # a dead row attends nothing
+    want = probs @ v.double()
+    cotangent = torch.randn(got.shape, generator=g, dtype=dtype)
+    grads = torch.autograd.grad(got, (q, k, v), cotangent)
+    assert fused, "the fused kernel's backward"
+    wants = torch.autograd.grad(want, (q, k, v), cotangent.double())
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=tol)
+    for name, a, b in zip("qkv", grads, wants):
+        torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tol * 10, msg=lambda m, name=name: f"d{name}: {m}")
+    if masked == "a row with no key":
+        assert got[0, :, 3].abs().max() == 0 and grads[0][0, :, 3].abs().max() == 0
+
+
 @pytest.mark.parametrize("scheme", ["alibi", "log_decay", "kerple_log"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_bidirectional_bias_of_the_distance_alone_takes_the_distance_path_with_the_dense_bias_results(
