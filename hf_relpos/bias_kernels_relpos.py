@@ -178,6 +178,60 @@ def _fold_antidiagonals(dscores: torch.Tensor, sums: torch.Tensor, start: int, r
         sums[:, start + first:start + first + n + c - 1] += skewed.sum(1)
 
 
+def far_sums_apply(table: torch.Tensor, mask: Optional[torch.Tensor], lse: torch.Tensor) -> bool:
+    """:func:`table_gradient` applies: no mask, a table that saturates within a quarter of the row, and (read on the
+    host, so not in a trace) a log-sum-exp that keeps the precision ``exp(S - lse)`` needs, as in
+    :func:`_bias_attention_backward`: a table of huge negative values would round it away."""
+    if mask is not None or 4 * (table.shape[1] // 2) > lse.shape[-1] or torch.compiler.is_compiling():
+        return False
+    return bool(lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10)
+
+
+def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) -> torch.Tensor:
+    """The gradient of a saturating table ``[H, 2s+1]`` (``B[h, i, j] = table[h, clamp(j - i, -s, s) + s]``, no
+    mask): ``Σ dS`` over each distance class, ``dS = P ⊙ (dO V^T - δ)``, ``δ_i = dO_i · O_i``, without the whole
+    ``dS``. Its rows sum to zero (``Σ_j P_ij dO_i·v_j = dO_i·O_i``), so a row's two far sides add up to minus its
+    band ``|j - i| < s``. The band is computed ``chunk`` rows at a time, read from each window of scores as a skewed
+    view (row ``r``'s band starts ``r`` columns in); the far left ``j <= i - s``, where the bias is the constant
+    ``b = table[:, 0]``, comes from one causal call of the fused kernel over shifted keys:
+    ``Σ_{j<=i-s} dS_ij = e^{lse'_i + b - lse_i} (dO_i · O'_i - δ_i)`` (``O'``, ``lse'``: that call's); the far right
+    is what is left. ``lse``: of the rows in order. Reference: the float64 oracle in ``tests/test_distance_bias.py``.
+    """
+    work = torch.promote_types(q.dtype, torch.float32)
+    B, H, n, _ = q.shape
+    s = table.shape[1] // 2
+    qs, gf = (q.to(work) * scale), grad_out.to(work)
+    # Transposed once, with s - 1 zero keys on each side: every row's band is then a full window.
+    kt, vt = (F.pad(t.to(work).transpose(-1, -2), (s - 1, s - 1)) for t in (k, v))
+    delta = (gf * out.to(work)).sum(-1)  # [B, H, n]
+    lse = lse.to(work)
+    inner = table.detach().to(work)[:, 1:-1, None].transpose(1, 2)  # [H, 1, 2s-1]: distances -(s-1) .. s-1
+    band = torch.zeros(H, 2 * s - 1, dtype=work, device=q.device)
+    band_rows = torch.empty(B, H, n, dtype=work, device=q.device)
+    offsets = torch.arange(2 * s - 1, device=q.device) - (s - 1)
+    for a in range(0, n, chunk):
+        c = min(chunk, n - a)
+        width = c + 2 * s - 2  # keys a - (s-1) .. a + c - 1 + (s-1), padded: row r's band starts at column r
+
+        def band_of(window):  # [B, H, c, width] -> its band [B, H, c, 2s-1], a view: row r, columns r .. r + 2s-2
+            return window.as_strided((B, H, c, 2 * s - 1), (H * c * width, c * width, width + 1, 1))
+
+        probs = (band_of(qs[:, :, a:a + c] @ kt[..., a:a + width]) + inner).sub_(lse[:, :, a:a + c, None]).exp_()
+        if a < s - 1 or a + c + s - 1 > n:  # the padding's keys take no share
+            key = torch.arange(a, a + c, device=q.device)[:, None] + offsets
+            probs.masked_fill_((key < 0) | (key >= n), 0.0)
+        dscores = (band_of(gf[:, :, a:a + c] @ vt[..., a:a + width]) - delta[:, :, a:a + c, None]).mul_(probs)
+        band_rows[:, :, a:a + c] = dscores.sum(-1)
+        band += dscores.sum((0, 2))
+    left_rows = torch.zeros(B, H, n, dtype=work, device=q.device)
+    if n > s:
+        far_out, far_lse = _flash_cpu(q[:, :, s:], k[:, :, :n - s], v[:, :, :n - s], 0.0, True, scale=scale)
+        share = torch.exp(far_lse.to(work) + table.detach().to(work)[:, 0, None] - lse[:, :, s:])
+        left_rows[:, :, s:] = share * ((gf[:, :, s:] * far_out.to(work)).sum(-1) - delta[:, :, s:])
+    right = -(band_rows + left_rows).sum((0, 2))
+    return torch.cat([left_rows.sum((0, 2))[:, None], band, right[:, None]], dim=1)
+
+
 class _AttentionWithDistanceBias(torch.autograd.Function):
     """``softmax(q k^T · scale + B + mask) v`` with ``B[h, i, j] = table[h, clamp(j - i, -s, s) + s]``.
 
@@ -211,12 +265,15 @@ class _AttentionWithDistanceBias(torch.autograd.Function):
     def backward(ctx, saved, grad_out):
         q, k, v, table, mask, out, lse = saved
         n = q.shape[2]
-        if not ctx.needs_input_grad[3] and not torch.is_grad_enabled():
-            # A fixed bias (ALiBi's, log-decay's): the fused kernel's own backward reads the same view as its forward.
+        fixed = not ctx.needs_input_grad[3]
+        if not torch.is_grad_enabled() and (fixed or far_sums_apply(table, mask, lse)):
+            # The fused kernel's own backward reads the same view as its forward; a fixed bias (ALiBi's, log-decay's)
+            # needs nothing more, a saturating one's gradient comes from its band and one far side (table_gradient).
             bias = _AttentionWithDistanceBias._bias(table, mask, n, q.dtype)
             dq, dk, dv = _flash_cpu_backward(grad_out.flip(2), q.flip(2), k, v, out.flip(2), lse, 0.0, False,
                                              attn_mask=bias, scale=ctx.scale)
-            return dq.flip(2), dk, dv, None, None, None, None
+            dtable = None if fixed else table_gradient(q, k, v, table, out, lse.flip(2), grad_out, ctx.scale)
+            return dq.flip(2), dk, dv, None if fixed else dtable.to(table.dtype), None, None, None
         # Made again (a view, or the view plus the mask): nothing [n, n] was kept. Under create_graph, from the
         # table itself, so that it is differentiated too.
         bias = _AttentionWithDistanceBias._bias(table if torch.is_grad_enabled() else table.detach(), mask, n, q.dtype)

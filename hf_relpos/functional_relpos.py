@@ -250,9 +250,10 @@ def saturating_bias_attention(
 
     Note:
         On CPU, :func:`kernels_relpos.distance_bias_attention`: the fused kernel with the query rows reversed,
-        where the bias is a view of its ``2n - 1`` distances, and a backward that folds the bias gradient per
-        distance; no ``[H, n, n]`` tensor without a mask. For a gradient, a mask or causal attention, from
-        ``kernels_relpos.BIAS_BAND_MIN_LENGTH`` tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal) and with no mask
+        where the bias is a view of its ``2n - 1`` distances; without a mask its backward is the fused kernel's
+        own, the bias gradient from the band and one far side (``bias_kernels_relpos.table_gradient``), else
+        chunks that fold it per distance; no ``[H, n, n]`` tensor without a mask. For a mask or causal attention,
+        from ``kernels_relpos.BIAS_BAND_MIN_LENGTH`` tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal) and with no mask
         or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes), :func:`kernels_relpos.saturating_bias_banded`
         instead: the band ``|j - i| < s`` explicit, the ranges beyond it in the fused kernel; no
         ``[B|1, H, n, n]`` tensor, and a causal model skips the masked half. Elsewhere (another device, an export,
@@ -270,11 +271,12 @@ def saturating_bias_attention(
         raise ValueError(f"bias must have shape [heads={H}, 2s+1] with s >= 1, got {tuple(bias.shape)}")
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    # Bidirectional inference without a mask reads the bias as a view in the fused kernel (distance_bias_attention)
-    # at any length, faster than the band; a mask or causality would be spread over [B|1, H, n, n] there, and a
-    # backward costs more than the band's.
-    unmasked_inference = attention_mask is None and not is_causal and not torch.is_grad_enabled()
-    if not unmasked_inference and saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
+    # Bidirectional attention without a mask reads the bias as a view in the fused kernel (distance_bias_attention)
+    # at any length, faster than the band: its backward is the fused kernel's own, and a table's gradient comes from
+    # its band and one far side (table_gradient). A mask or causality would be spread over [B|1, H, n, n] there, and
+    # a backward costs more than the band's.
+    unmasked = attention_mask is None and not is_causal and distance_bias_applies(q, v)
+    if not unmasked and saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
         return saturating_bias_banded(q, k, v, bias, attention_mask=attention_mask, is_causal=is_causal, scale=scale)
     mask = _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device) if is_causal else None)
     wants_grad = attention_mask is not None and attention_mask.requires_grad  # the distance path's mask is a constant

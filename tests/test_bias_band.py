@@ -175,11 +175,17 @@ def test_rejects_a_bias_that_is_not_per_head_and_distance():
 
 
 @pytest.mark.parametrize("is_decoder", [False, True])
-def test_model_takes_the_band_and_matches_the_full_bias(band, monkeypatch, is_decoder):
-    """A T5-bias model at the band's threshold (no padding): the band gives the outputs and gradients (the
-    shared table's included) of the model with the full [1, H, n, n] bias, which the model tests check
-    against the float64 model oracle."""
+def test_model_takes_its_fast_path_and_matches_the_full_bias(band, monkeypatch, is_decoder):
+    """A T5-bias model at the band's threshold (no padding): the band (causal) or the distance path with the table's
+    gradient from its band and far sides (bidirectional: ``bias_kernels_relpos.table_gradient``) gives the outputs
+    and gradients (the shared table's included) of the model with the full [1, H, n, n] bias, which the model tests
+    check against the float64 model oracle."""
     from hf_relpos import RelPosConfig, RelPosModel
+    from hf_relpos import bias_kernels_relpos as BK
+
+    far = []
+    real = BK.table_gradient
+    monkeypatch.setattr(BK, "table_gradient", lambda *a, **kw: far.append(1) or real(*a, **kw))
 
     config = RelPosConfig(position_encoding="t5_bias", vocab_size=64, hidden_size=32, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=64, is_decoder=is_decoder,
@@ -191,10 +197,11 @@ def test_model_takes_the_band_and_matches_the_full_bias(band, monkeypatch, is_de
     ids = torch.randint(0, 64, (2, n))
 
     banded_out, banded_grads = outputs_and_grads(model, ids)
-    assert len(band) == config.num_hidden_layers
+    taken = band if is_decoder else far
+    assert (len(band), len(far)) == ((config.num_hidden_layers, 0) if is_decoder else (0, config.num_hidden_layers))
     monkeypatch.setattr(model.position, "compact", lambda ctx, device, dtype: None)
     full_out, full_grads = outputs_and_grads(model, ids)
-    assert len(band) == config.num_hidden_layers
+    assert len(taken) == config.num_hidden_layers
     torch.testing.assert_close(banded_out, full_out, rtol=1e-5, atol=1e-5)
     for a, b in zip(banded_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

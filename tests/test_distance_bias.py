@@ -233,6 +233,71 @@ def test_a_bias_that_never_saturates_takes_the_distance_path_not_the_band(taken,
             torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("n,s,chunk", [(16, 4, 256), (40, 5, 7), (97, 9, 32), (300, 20, 64), (130, 91, 256)])
+def test_a_saturating_tables_gradient_from_its_band_and_one_far_side(monkeypatch, n, s, chunk):
+    """Without a mask, a table that saturates within a quarter of the row gets its gradient from the band |j - i| < s
+    (in windows of ``chunk`` rows) and the far left's sum from one causal call of the fused kernel, the far right's
+    as what is left of each row's zero sum (table_gradient); q, k, v from the fused kernel's own backward. Values
+    and every gradient against the float64 oracle (upstream's bucket function, a plain softmax)."""
+    calls = []
+    real = BK.table_gradient
+    monkeypatch.setattr(BK, "table_gradient", lambda *a, **kw: calls.append(1) or real(*a, chunk=chunk))
+    g = torch.Generator().manual_seed(n + s)
+    B, H, D = 2, 3, 8
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    table = torch.randn(H, 2 * s + 1, generator=g, dtype=torch.float64, requires_grad=True)
+    got = BK.distance_bias_attention(q, k, v, table, D**-0.5)
+    entry = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-s, s) + s
+    scores = q @ k.transpose(-1, -2) / D**0.5 + table[:, entry]
+    want = torch.softmax(scores, -1) @ v
+    cotangent = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(got, (q, k, v, table), cotangent)
+    wants = torch.autograd.grad(want, (q, k, v, table), cotangent)
+    assert calls == ([1] if 4 * s <= n else [])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for name, a, b in zip(("q", "k", "v", "table"), grads, wants):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_a_table_of_huge_values_keeps_the_chunked_backward(monkeypatch):
+    """A float32 table whose every value is about -1e5 puts each row's log-sum-exp there, where ``exp(S - lse)`` loses
+    the precision of its scores: table_gradient steps aside for the chunked backward's exact softmax, whose gradients
+    hold against float64 as far as float32 scores at -1e5 can (their spacing there is 0.008)."""
+    calls = []
+    real = BK.table_gradient
+    monkeypatch.setattr(BK, "table_gradient", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(9)
+    B, H, n, D, s = 1, 2, 40, 4, 5
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
+    table = torch.randn(H, 2 * s + 1, generator=g) - 1e5
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, table)]
+        out = BK.distance_bias_attention(*leaves[:3], leaves[3], D**-0.5)
+        grads[dtype] = torch.autograd.grad(out.sum(), leaves)
+    assert calls == [1], "float64 keeps the precision: the far sides; float32 does not"
+    for name, a, b in zip(("q", "k", "v", "table"), grads[torch.float32], grads[torch.float64]):
+        assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max(), name
+
+
+def test_a_saturating_tables_far_sides_in_float32_hold_against_float64():
+    """The far right's share is what is left of each row's zero sum: in float32 its rounding stays at the chunked
+    backward's level against float64 (n = 1,024, T5's 32 buckets up to 128: s = 91)."""
+    g = torch.Generator().manual_seed(3)
+    B, H, n, D, s = 2, 4, 1024, 32, 91
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
+    table = torch.randn(H, 2 * s + 1, generator=g)
+    cotangent = torch.randn(B, H, n, D, generator=g)
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, table)]
+        out = BK.distance_bias_attention(*leaves[:3], leaves[3], D**-0.5)
+        grads[dtype] = torch.autograd.grad(out, leaves, cotangent.to(dtype))
+    for name, a, b in zip(("q", "k", "v", "table"), grads[torch.float32], grads[torch.float64]):
+        err = (a.double() - b).abs().max() / b.abs().max()
+        assert err < 1e-5, (name, err.item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("masked", [None, "padded", "a row with no key"])
 def test_a_fixed_table_takes_the_fused_kernels_own_backward(monkeypatch, dtype, masked):

@@ -119,7 +119,8 @@ def outputs_and_grads(model, ids, **kwargs):
 
 
 class _LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op produces."""
+    """Records the largest number of elements of memory any op's output holds: its storage's, so a view of a small
+    tensor (an unfold of the ``2n - 1`` distances) counts what it reads, not its shape."""
 
     def __init__(self):
         super().__init__()
@@ -129,7 +130,7 @@ class _LargestTensor(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // max(t.element_size(), 1))
         return out
 
 
