@@ -195,7 +195,9 @@ def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) 
     view (row ``r``'s band starts ``r`` columns in); the far left ``j <= i - s``, where the bias is the constant
     ``b = table[:, 0]``, comes from one causal call of the fused kernel over shifted keys:
     ``Σ_{j<=i-s} dS_ij = e^{lse'_i + b - lse_i} (dO_i · O'_i - δ_i)`` (``O'``, ``lse'``: that call's); the far right
-    is what is left. ``lse``: of the rows in order. Reference: the float64 oracle in ``tests/test_distance_bias.py``.
+    is what is left, exact to rounding against the row's other terms (so an entry whose true gradient is far below
+    the others' gets their float32 rounding, about 1e-6 of the largest). ``lse``: of the rows in order. Reference: the
+    float64 oracle in ``tests/test_distance_bias.py``.
     """
     work = torch.promote_types(q.dtype, torch.float32)
     B, H, n, _ = q.shape
@@ -205,7 +207,9 @@ def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) 
     kt, vt = (F.pad(t.to(work).transpose(-1, -2), (s - 1, s - 1)) for t in (k, v))
     delta = (gf * out.to(work)).sum(-1)  # [B, H, n]
     lse = lse.to(work)
-    inner = table.detach().to(work)[:, 1:-1, None].transpose(1, 2)  # [H, 1, 2s-1]: distances -(s-1) .. s-1
+    # The bias as the forward added it: rounded to the inputs' dtype (a bf16 model under autocast, a float32 table).
+    bias = table.detach().to(q.dtype).to(work)
+    inner = bias[:, 1:-1, None].transpose(1, 2)  # [H, 1, 2s-1]: distances -(s-1) .. s-1
     band = torch.zeros(H, 2 * s - 1, dtype=work, device=q.device)
     band_rows = torch.empty(B, H, n, dtype=work, device=q.device)
     offsets = torch.arange(2 * s - 1, device=q.device) - (s - 1)
@@ -226,7 +230,7 @@ def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) 
     left_rows = torch.zeros(B, H, n, dtype=work, device=q.device)
     if n > s:
         far_out, far_lse = _flash_cpu(q[:, :, s:], k[:, :, :n - s], v[:, :, :n - s], 0.0, True, scale=scale)
-        share = torch.exp(far_lse.to(work) + table.detach().to(work)[:, 0, None] - lse[:, :, s:])
+        share = torch.exp(far_lse.to(work) + bias[:, 0, None] - lse[:, :, s:])
         left_rows[:, :, s:] = share * ((gf[:, :, s:] * far_out.to(work)).sum(-1) - delta[:, :, s:])
     right = -(band_rows + left_rows).sum((0, 2))
     return torch.cat([left_rows.sum((0, 2))[:, None], band, right[:, None]], dim=1)
