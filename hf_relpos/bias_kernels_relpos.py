@@ -39,6 +39,13 @@ def _unit_stride(*tensors: torch.Tensor):
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
+def _exp_is_exact(lse: torch.Tensor) -> bool:
+    """``exp(S - lse)`` is exact only while ``lse`` keeps the precision of ``log K``: a row whose every key sits at a
+    huge negative value (finfo.min masks, -1e9 biases) rounds it away. Traced (torch.compile), the test cannot read
+    the host: False, so that the caller takes the form exact for every row."""
+    return not torch.compiler.is_compiling() and bool(lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10)
+
+
 def _bias_attention_backward(q, k, v, bias, out, lse, grad_out, scale, chunk, take_dscores):
     """``(dq, dk, dv)`` of ``softmax(q k^T · scale + bias) v`` in the working dtype, ``chunk`` query rows at a time.
 
@@ -53,12 +60,9 @@ def _bias_attention_backward(q, k, v, bias, out, lse, grad_out, scale, chunk, ta
     kt, vt = kf.transpose(-1, -2).contiguous(), vf.transpose(-1, -2).contiguous()
     delta = (gf * out.to(work)).sum(-1, keepdim=True)
     lse = lse.to(work).unsqueeze(-1)
-    # exp(S - lse) is exact only while lse keeps the precision of log K: a row whose every key
-    # sits at a huge negative value (finfo.min masks, -1e9 biases) rounds it away. Such rows, and a
-    # backward that must itself be differentiable (create_graph), take a full softmax instead.
-    # Traced (torch.compile), the test cannot read the host: the full softmax, exact for every row.
-    exact = (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-             and bool(lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10))
+    # Rows whose lse lost that precision, and a backward that must itself be differentiable (create_graph), take a
+    # full softmax instead.
+    exact = not torch.is_grad_enabled() and _exp_is_exact(lse)
     dq, dk, dv = torch.empty_like(qs), torch.zeros_like(kf), torch.zeros_like(vf)
     for start in range(0, q.shape[2], chunk):
         rows = slice(start, start + chunk)
@@ -179,12 +183,9 @@ def _fold_antidiagonals(dscores: torch.Tensor, sums: torch.Tensor, start: int, r
 
 
 def far_sums_apply(table: torch.Tensor, mask: Optional[torch.Tensor], lse: torch.Tensor) -> bool:
-    """:func:`table_gradient` applies: no mask, a table that saturates within a quarter of the row, and (read on the
-    host, so not in a trace) a log-sum-exp that keeps the precision ``exp(S - lse)`` needs, as in
-    :func:`_bias_attention_backward`: a table of huge negative values would round it away."""
-    if mask is not None or 4 * (table.shape[1] // 2) > lse.shape[-1] or torch.compiler.is_compiling():
-        return False
-    return bool(lse.abs().amax() * torch.finfo(lse.dtype).eps < 2.0**-10)
+    """:func:`table_gradient` applies: no mask, a table that saturates within a quarter of the row, and a log-sum-exp
+    that keeps the precision ``exp(S - lse)`` needs (:func:`_exp_is_exact`)."""
+    return mask is None and 4 * (table.shape[1] // 2) <= lse.shape[-1] and _exp_is_exact(lse)
 
 
 def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) -> torch.Tensor:
@@ -211,7 +212,6 @@ def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) 
     bias = table.detach().to(q.dtype).to(work)
     inner = bias[:, 1:-1, None].transpose(1, 2)  # [H, 1, 2s-1]: distances -(s-1) .. s-1
     band = torch.zeros(H, 2 * s - 1, dtype=work, device=q.device)
-    band_rows = torch.empty(B, H, n, dtype=work, device=q.device)
     offsets = torch.arange(2 * s - 1, device=q.device) - (s - 1)
     for a in range(0, n, chunk):
         c = min(chunk, n - a)
@@ -225,15 +225,14 @@ def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) 
             key = torch.arange(a, a + c, device=q.device)[:, None] + offsets
             probs.masked_fill_((key < 0) | (key >= n), 0.0)
         dscores = (band_of(gf[:, :, a:a + c] @ vt[..., a:a + width]) - delta[:, :, a:a + c, None]).mul_(probs)
-        band_rows[:, :, a:a + c] = dscores.sum(-1)
         band += dscores.sum((0, 2))
-    left_rows = torch.zeros(B, H, n, dtype=work, device=q.device)
+    left = torch.zeros(H, dtype=work, device=q.device)
     if n > s:
         far_out, far_lse = _flash_cpu(q[:, :, s:], k[:, :, :n - s], v[:, :, :n - s], 0.0, True, scale=scale)
         share = torch.exp(far_lse.to(work) + bias[:, 0, None] - lse[:, :, s:])
-        left_rows[:, :, s:] = share * ((gf[:, :, s:] * far_out.to(work)).sum(-1) - delta[:, :, s:])
-    right = -(band_rows + left_rows).sum((0, 2))
-    return torch.cat([left_rows.sum((0, 2))[:, None], band, right[:, None]], dim=1)
+        left = (share * ((gf[:, :, s:] * far_out.to(work)).sum(-1) - delta[:, :, s:])).sum((0, 2))
+    right = -(band.sum(-1) + left)  # every row's dS sums to zero, so all of them do
+    return torch.cat([left[:, None], band, right[:, None]], dim=1)
 
 
 class _AttentionWithDistanceBias(torch.autograd.Function):
