@@ -177,8 +177,7 @@ def bias_term(
     """A bias term as the backend computes it: under FlexAttention ``score()``, the small tensor of the scheme's
     ``score_form``; under the Triton kernel ``kernel`` itself, which each layer calls for the scheme's kernel term;
     else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it
-    (``cpu_fast_path``, and the path's precision: ``FULL_PRECISION_FORMS``; the scheme returns None where its form
-    does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the mask, masked entries at the dtype's
+    (``cpu_fast_path``; the scheme returns None where its form does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the mask, masked entries at the dtype's
     minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates), and handed to ``attend_bias``."""
     if ctx.attn_implementation == FLEX:
         return score()
@@ -188,8 +187,6 @@ def bias_term(
         # no tensor, and the second layer's backward would run through the first's freed graph.
         return kernel
     takes = form is not None and cpu_fast_path(ctx, device, dropout)
-    if form in FULL_PRECISION_FORMS and dtype not in (torch.float32, torch.float64):
-        takes = False
     term = compact() if takes else None
     if term is not None:
         return term
@@ -216,9 +213,6 @@ def _key_bias_path(attn, query, key, value, key_bias, ctx, span):
 # (``functional``'s entry points: they check their inputs and compute exactly where a kernel of ``kernels_relpos.py``
 # cannot run).
 COMPACT_PATHS = {"distance": _distance_bias_path, "key": _key_bias_path}
-# The forms whose path runs in full precision only: the per-key kernel takes the differences of a float64 bias
-# over each chunk of rows; half precision keeps the dense bias.
-FULL_PRECISION_FORMS = frozenset({"key"})
 
 
 def attend_bias(attn: nn.Module, query, key, value, term: torch.Tensor, ctx: PositionContext, form: Optional[str],

@@ -517,16 +517,16 @@ def causal_key_bias_attention(
         ``[B, H, n, D]``; a row with no key left gives zeros.
 
     Note:
-        On CPU in float32/float64, with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding
-        makes), :func:`kernels_relpos.causal_key_bias`: the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
+        On CPU, with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes),
+        :func:`kernels_relpos.causal_key_bias`: the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
         fused kernel with its causal flag, which skips the masked half; no ``[Q, K]`` tensor, and the
-        bias's gradient ``Σ_i dS_ij`` comes from the kernel's backward. The kernel adds the bias in the
-        inputs' precision, measured from the middle row of each chunk: the values it adds for the keys that
-        matter stay below half the bias's spread over the chunk, ALiBi's ``m_h · 1024`` over
-        ``kernels_relpos.KEY_BIAS_CHUNK`` rows (3e-5 in float32 for slope 1/2, against 1e-6 for the exact form),
-        at most ``span / 2`` where it is given (FoX: 1024, 1.2e-4 in float32 whatever the gate).
-        Elsewhere (other devices, half precision, where that error would be large, other masks) the bias
-        is applied exactly as ``key_bias[j] - key_bias[i]`` over ``[B|1, H, n, n]``.
+        bias's gradient ``Σ_i dS_ij`` comes from the kernel's backward (in the inputs' dtype). The kernel
+        adds the bias in float32 at least (bf16/fp16 inputs too), measured from the middle row of each
+        chunk: the values it adds for the keys that matter stay below half the bias's spread over the
+        chunk, ALiBi's ``m_h · 1024`` over ``kernels_relpos.KEY_BIAS_CHUNK`` rows (3e-5 for slope 1/2,
+        against 1e-6 for the exact form in float32), at most ``span / 2`` where it is given (FoX: 1024,
+        1.2e-4 whatever the gate). Elsewhere (other devices, other masks, export) the bias is applied
+        exactly as ``key_bias[j] - key_bias[i]`` over ``[B|1, H, n, n]``.
 
     Reference: ``alibi_causal_oracle`` in ``tests/test_key_bias.py``; ``fox_oracle`` in ``tests/test_fox.py``.
     """

@@ -622,16 +622,17 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
     two kernel calls merged by log-sum-exp. ``key_bias`` is ``[B|1, H, n]`` (ALiBi's is the same for every
     row of the batch; FoX's depends on the tokens). Each chunk measures the bias from its middle row ``r``,
     ``key_bias[j] - key_bias[r]`` (formed in the key bias's own precision, float64 from the models), and
-    the kernel adds it in the inputs' precision: a key that matters to row ``i`` (one not decayed away)
-    carries about ``|key_bias[i] - key_bias[r]|``, so the logits round at ``eps`` times half the chunk's
-    spread of the bias. A chunk ends after ``chunk`` rows, or earlier (``span``) where the bias spreads by
+    the kernel adds it as a mask in float32 at least (bf16/fp16 inputs too: the kernel takes a float mask
+    beside them): a key that matters to row ``i`` (one not decayed away) carries about
+    ``|key_bias[i] - key_bias[r]|``, so the logits round at float32's ``eps`` times half the chunk's spread
+    of the bias. A chunk ends after ``chunk`` rows, or earlier (``span``) where the bias spreads by
     more than ``span`` over it (a strongly forgetting FoX gate), which bounds that error by about
     ``eps · span / 2`` whatever the gate; a key far in the past carries a larger error only in proportion
     to its decayed weight (``x · e^-x <= 1/e``). The backward runs the kernel's backward for each part with
     the merged output and log-sum-exp; the bias's gradient ``Σ_i dS_ij`` comes from the same backward with
-    one more channel: ``q' = [q, 1]``, ``k' = [k, rel_j / scale]`` (and a zero channel on ``v``), whose key
-    gradient's last channel is ``scale · Σ_i dS_ij``. ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a row with
-    no key left gives zeros.
+    one more channel: ``q' = [q, 1]``, ``k' = [k, 0]``, ``v' = [v, 0]`` leave the scores as they are, and the
+    key gradient's last channel is ``scale · Σ_i dS_ij · 1``. ``keys`` (bool ``[B|1, H|1, n]``) masks keys; a
+    row with no key left gives zeros.
     """
 
     @staticmethod
@@ -650,24 +651,21 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
         return bounds
 
     @staticmethod
-    def _parts(q, key_bias, keys, start, stop, grad=False):
-        """The chunk's (keys slice, causal, additive mask, alive rows or None, bias) for the prefix and its own
-        block; with ``grad``, the mask holds the key mask alone and the bias ``rel`` rides in a channel."""
+    def _parts(q, key_bias, keys, start, stop):
+        """The chunk's (keys slice, causal, additive mask, alive rows or None) for the prefix and its own block."""
         ref = (start + stop - 1) // 2  # the chunk's middle row: its rows' own keys carry at most half its spread
-        rel = (key_bias[..., :stop] - key_bias[..., ref : ref + 1]).to(q.dtype)[:, :, None, :]  # [B|1, H, 1, stop]
-        mask = None if grad else rel
+        # float32 at least: bf16 would round ALiBi's m·1024 to steps of 4
+        rel = (key_bias[..., :stop] - key_bias[..., ref : ref + 1]).to(torch.promote_types(q.dtype, torch.float32))
+        mask = rel[:, :, None, :]  # [B|1, H, 1, stop]
         if keys is not None:  # -inf (not finfo.min): the kernel then gives a row with no key zeros
-            hidden = ~keys[..., None, :stop]
-            mask = rel.masked_fill(hidden, float("-inf")) if not grad else torch.zeros(
-                hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+            mask = mask.masked_fill(~keys[..., None, :stop], float("-inf"))
             seen = keys[..., :stop].cumsum(-1)
-        piece = lambda m, cols: None if m is None else m[..., cols]  # noqa: E731
-        parts = [(slice(start, stop), True, piece(mask, slice(start, stop)),
+        parts = [(slice(start, stop), True, mask[..., start:stop],
                   None if keys is None else (seen[..., start:stop] - seen[..., start - 1 : start] if start else
-                                             seen[..., start:stop]) > 0, rel[..., start:stop])]
+                                             seen[..., start:stop]) > 0)]
         if start:
             alive = None if keys is None else (seen[..., start - 1 : start] > 0).expand(*seen.shape[:-1], stop - start)
-            parts.append((slice(0, start), False, piece(mask, slice(0, start)), alive, rel[..., :start]))
+            parts.append((slice(0, start), False, mask[..., :start], alive))
         return parts
 
     @staticmethod
@@ -678,7 +676,7 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
         chunks = _CausalKeyBiasAttention._chunks(key_bias.detach(), q.shape[2], chunk, span)
         for start, stop in chunks:
             acc = acc_lse = None
-            for cols, causal, mask, alive, _ in _CausalKeyBiasAttention._parts(q, key_bias.detach(), keys, start, stop):
+            for cols, causal, mask, alive in _CausalKeyBiasAttention._parts(q, key_bias.detach(), keys, start, stop):
                 part, part_lse = _flash_cpu(q[:, :, start:stop], k[:, :, cols], v[:, :, cols], 0.0, causal,
                                             attn_mask=mask, scale=scale)
                 part, part_lse = part.to(work), part_lse.to(work)
@@ -706,16 +704,13 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         B, H, n, D = q.shape
         drel = q.new_zeros(B, H, n, dtype=torch.promote_types(q.dtype, key_bias.dtype)) if grad_bias else None
-        if grad_bias:  # the bias rides in one more channel: q' = [q, 1], v' = [v, 0], out' = [out, 0]
+        if grad_bias:  # one more channel that adds nothing to the scores: q' = [q, 1], k' = [k, 0], v' = [v, 0]
             pad = lambda t, value: F.pad(t, (0, 1), value=value)  # noqa: E731
-            q, v, out, grad_out = pad(q, 1.0), pad(v, 0.0), pad(out, 0.0), pad(grad_out, 0.0)
+            q, k, v, out, grad_out = pad(q, 1.0), pad(k, 0.0), pad(v, 0.0), pad(out, 0.0), pad(grad_out, 0.0)
         for start, stop in ctx.chunks:
             rows = slice(start, stop)
-            parts = _CausalKeyBiasAttention._parts(q, key_bias, keys, start, stop, grad=grad_bias)
-            for cols, causal, mask, _, rel in parts:
+            for cols, causal, mask, _ in _CausalKeyBiasAttention._parts(q, key_bias, keys, start, stop):
                 kc, vc = k[:, :, cols], v[:, :, cols]
-                if grad_bias:
-                    kc = torch.cat([kc, (rel / ctx.scale).transpose(-1, -2).expand(B, H, -1, 1)], dim=-1)
                 gq, gk, gv = _flash_cpu_backward(
                     grad_out[:, :, rows], q[:, :, rows], kc, vc, out[:, :, rows].contiguous(),
                     lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=mask, scale=ctx.scale,
@@ -736,12 +731,12 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
 
 
 def causal_key_bias_applies(q, k, v, key_bias, attention_mask=None) -> bool:
-    """True where :func:`causal_key_bias` computes ``functional.causal_key_bias_attention``: CPU, float32/64,
-    no mask or a key mask, one head size."""
+    """True where :func:`causal_key_bias` computes ``functional.causal_key_bias_attention``: CPU, a floating
+    dtype, no mask or a key mask, one head size."""
     B, H, n, D = q.shape
     return (
         not _exporting()
-        and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and n > 0 and B * H > 0
+        and q.device.type == "cpu" and q.is_floating_point() and n > 0 and B * H > 0
         and v.shape[-1] == D  # the fused kernel needs one head size
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)
     )

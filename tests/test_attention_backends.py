@@ -97,16 +97,15 @@ def test_a_compact_form_computes_what_its_dense_bias_does(scheme):
 @pytest.mark.parametrize(
     "scheme, dtype, compact",
     [
-        ("t5_bias", torch.float32, True), ("t5_bias", torch.bfloat16, True),  # the distance path takes half precision
-        ("alibi", torch.float32, True), ("alibi", torch.bfloat16, False), ("alibi", torch.float16, False),
-        ("fox", torch.float64, True), ("fox", torch.bfloat16, False), ("fox", torch.float16, False),
+        ("t5_bias", torch.float32, True), ("t5_bias", torch.bfloat16, True),  # both paths take half precision
+        ("alibi", torch.float32, True), ("alibi", torch.bfloat16, True), ("alibi", torch.float16, True),
+        ("fox", torch.float64, True), ("fox", torch.bfloat16, True), ("fox", torch.float16, True),
         ("kerple_log", torch.float32, False),  # no compact form
     ],
 )
 def test_which_path_a_bias_takes(monkeypatch, scheme, dtype, compact):
-    """A fresh padded forward on CPU's SDPA: the compact form's fused path in full precision (the per-key path
-    differences a float64 bias over chunks of rows) and, for T5's bounded table, in half precision too; the
-    merged bias otherwise. FoX decides per layer."""
+    """A fresh padded forward on CPU's SDPA: the compact form's fused path in every dtype (the per-key path adds
+    its bias in float32 at least), the merged bias where a scheme has none. FoX decides per layer."""
     calls = []
     for form, path in COMPACT_PATHS.items():
         monkeypatch.setitem(attention_backends_relpos.COMPACT_PATHS, form,
