@@ -732,11 +732,15 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
 
 def causal_key_bias_applies(q, k, v, key_bias, attention_mask=None) -> bool:
     """True where :func:`causal_key_bias` computes ``functional.causal_key_bias_attention``: CPU, a floating
-    dtype, no mask or a key mask, one head size."""
+    dtype, no mask or a key mask, one head size; in half precision, a bias that needs no gradient (ALiBi's, or any
+    without grad). A trained bias's gradient would be the kernel's half-precision ``Σ_i dS_ij``, whose rows no
+    longer sum to zero: FoX's cumsum adds those errors up, 20-40x the exact form's in its gate's gradient."""
     B, H, n, D = q.shape
+    trained = isinstance(key_bias, torch.Tensor) and key_bias.requires_grad and torch.is_grad_enabled()
     return (
         not _exporting()
         and q.device.type == "cpu" and q.is_floating_point() and n > 0 and B * H > 0
+        and (q.dtype in (torch.float32, torch.float64) or not trained)
         and v.shape[-1] == D  # the fused kernel needs one head size
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)
     )
