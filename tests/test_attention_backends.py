@@ -116,3 +116,16 @@ def test_which_path_a_bias_takes(monkeypatch, scheme, dtype, compact):
     assert torch.isfinite(logits[:, 3:]).all()
     form = POSITION_SCHEMES[scheme].compact_form
     assert calls == ([form] * model.config.num_hidden_layers if compact else [])
+
+
+@pytest.mark.parametrize("scheme, per_key", [("alibi", True), ("fox", False)])
+def test_a_trained_per_key_bias_in_half_precision_is_merged(monkeypatch, scheme, per_key):
+    """A bf16 training forward: ALiBi's fixed bias takes the per-key path, FoX's trained one the merged bias (the
+    kernel's half-precision sum per key would be its gradient: test_fox.py), not the exact form's float64 tensor."""
+    calls = []
+    monkeypatch.setitem(attention_backends_relpos.COMPACT_PATHS, "key",
+                        lambda *a, _path=COMPACT_PATHS["key"]: calls.append("key") or _path(*a))
+    model = make_model(RelPosForCausalLM, scheme, "sdpa", preset="modeling").to(torch.bfloat16)
+    ids = rand_ids(2, 24)
+    model(ids, labels=ids).loss.backward()
+    assert calls == (["key"] * model.config.num_hidden_layers if per_key else [])
