@@ -518,8 +518,8 @@ def causal_key_bias_attention(
 
     Note:
         On CPU, with no mask or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes), in half precision
-        only for a bias that needs no gradient (ALiBi's; FoX's at inference), :func:`kernels_relpos.causal_key_bias`:
-        the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
+        only for a bias that needs no gradient (ALiBi's; FoX's at inference),
+        :func:`kernels_relpos.causal_key_bias`: the bias rides as a ``[B|1, H, 1, n]`` mask in SDPA's
         fused kernel with its causal flag, which skips the masked half; no ``[Q, K]`` tensor, and the
         bias's gradient ``Σ_i dS_ij`` comes from the kernel's backward (in the inputs' dtype). The kernel
         adds the bias in float32 at least (bf16/fp16 inputs too), measured from the middle row of each

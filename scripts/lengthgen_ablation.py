@@ -160,7 +160,10 @@ def report(setups: dict, out: Path, train_length: int = 20, gate: float = 0.95, 
         lines += ["", "## reverse (the study's six schemes, the study's setup)", "",
                   f"`hf-relpos lengthgen --tasks reverse --lrs 1e-3 3e-3` in `{reverse}`; as above, mean ± std over "
                   "the learned seeds at the learning rate the study chooses, or the best validation accuracy of a "
-                  "scheme that learned it in no seed.", "",
+                  "scheme that learned it in no seed. The paper's reverse numbers are not beside them: the "
+                  "authors' result files (`results/classic.jsonl`, `results/len_gen_experiments.csv` in "
+                  "McGill-NLP/length-generalization) hold no reverse run, and this project has no table of them; "
+                  "read off the paper's plot they would be guesses.", "",
                   f"| scheme | seeds | {' | '.join(names)} |", "| --- | ---: | " + " | ".join("---:" for _ in names) + " |"]
         for scheme in REVERSE_SCHEMES:
             records = setup_records(Path(reverse), "reverse", scheme)
