@@ -4,6 +4,7 @@ Oracles: upstream ``T5ForConditionalGeneration`` (conversion parity), the uncach
 decoding), and plain PyTorch cross-entropy written here (the loss).
 """
 
+import copy
 import math
 import os
 import subprocess
@@ -628,8 +629,15 @@ def test_from_t5_training_gradient_of_the_token_table_matches_upstream():
         grads.append(model.shared.weight.grad)
     pad = upstream.config.pad_token_id
     assert grads[0][pad].abs().max() > 1e-3  # upstream trains the start/pad token's embedding
-    torch.testing.assert_close(grads[1][pad], grads[0][pad], rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    # float32 sums in another order: within upstream's own float32 rounding against its float64 gradient (8.6e-6
+    # of a largest entry of 0.58 on an AVX-512 EPYC, where a fixed 1e-6 failed)
+    reference = copy.deepcopy(upstream).double()
+    reference(**inputs).loss.backward()
+    exact = reference.shared.weight.grad
+    rounding = (grads[0].double() - exact).abs().max().item()
+    assert (grads[1].double() - exact).abs().max() <= 2 * rounding
+    torch.testing.assert_close(grads[1][pad], grads[0][pad], rtol=0, atol=3 * rounding)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=3 * rounding)
 
 
 def test_from_t5_training_mode_applies_dropout_where_upstream_does(monkeypatch):

@@ -71,4 +71,6 @@ def test_a_causal_lm_rescales_its_output_as_t5_v1_0_when_asked():
         hidden = model.model(ids).last_hidden_state
         expected = model.lm_head(hidden * model.config.hidden_size**-0.5)
         assert torch.equal(model(ids).logits, expected)
-        assert torch.equal(model(ids, logits_to_keep=1).logits, expected[:, -1:])
+        # the last row alone, as the model computes it (a GEMM of another shape may round differently)
+        assert torch.equal(model(ids, logits_to_keep=1).logits,
+                           model.lm_head(hidden[:, -1:] * model.config.hidden_size**-0.5))
