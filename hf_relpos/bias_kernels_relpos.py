@@ -188,7 +188,7 @@ def far_sums_apply(table: torch.Tensor, mask: Optional[torch.Tensor], lse: torch
     return mask is None and 4 * (table.shape[1] // 2) <= lse.shape[-1] and _exp_is_exact(lse)
 
 
-def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) -> torch.Tensor:
+def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128, first: int = 0) -> torch.Tensor:
     """The gradient of a saturating table ``[H, 2s+1]`` (``B[h, i, j] = table[h, clamp(j - i, -s, s) + s]``, no
     mask): ``Σ dS`` over each distance class, ``dS = P ⊙ (dO V^T - δ)``, ``δ_i = dO_i · O_i``, without the whole
     ``dS``. Its rows sum to zero (``Σ_j P_ij dO_i·v_j = dO_i·O_i``), so a row's two far sides add up to minus its
@@ -197,15 +197,17 @@ def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) 
     ``b = table[:, 0]``, comes from one causal call of the fused kernel over shifted keys:
     ``Σ_{j<=i-s} dS_ij = e^{lse'_i + b - lse_i} (dO_i · O'_i - δ_i)`` (``O'``, ``lse'``: that call's); the far right
     is what is left, exact to rounding against the row's other terms (so an entry whose true gradient is far below
-    the others' gets their float32 rounding, about 1e-6 of the largest). ``lse``: of the rows in order. Reference: the
-    float64 oracle in ``tests/test_distance_bias.py``.
+    the others' gets their float32 rounding, about 1e-6 of the largest). ``lse``: of the rows in order. ``k``, ``v``:
+    the keys at positions ``first ..`` (a padded row's run of keys, every other key masked). Reference: the float64
+    oracle in ``tests/test_distance_bias.py``.
     """
     work = torch.promote_types(q.dtype, torch.float32)
     B, H, n, _ = q.shape
-    s = table.shape[1] // 2
+    s, stop = table.shape[1] // 2, first + k.shape[2]
     qs, gf = (q.to(work) * scale), grad_out.to(work)
-    # Transposed once, with s - 1 zero keys on each side: every row's band is then a full window.
-    kt, vt = (F.pad(t.to(work).transpose(-1, -2), (s - 1, s - 1)) for t in (k, v))
+    # Transposed once, at their positions among s - 1 zero keys before position 0 and after n - 1: every row's band
+    # is then a full window.
+    kt, vt = (F.pad(t.to(work).transpose(-1, -2), (s - 1 + first, s - 1 + n - stop)) for t in (k, v))
     delta = (gf * out.to(work)).sum(-1)  # [B, H, n]
     lse = lse.to(work)
     # The bias as the forward added it: rounded to the inputs' dtype (a bf16 model under autocast, a float32 table).
@@ -221,16 +223,17 @@ def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128) 
             return window.as_strided((B, H, c, 2 * s - 1), (H * c * width, c * width, width + 1, 1))
 
         probs = (band_of(qs[:, :, a:a + c] @ kt[..., a:a + width]) + inner).sub_(lse[:, :, a:a + c, None]).exp_()
-        if a < s - 1 or a + c + s - 1 > n:  # the padding's keys take no share
+        if a - (s - 1) < first or a + c + s - 2 >= stop:  # the zero keys take no share
             key = torch.arange(a, a + c, device=q.device)[:, None] + offsets
-            probs.masked_fill_((key < 0) | (key >= n), 0.0)
+            probs.masked_fill_((key < first) | (key >= stop), 0.0)
         dscores = (band_of(gf[:, :, a:a + c] @ vt[..., a:a + width]) - delta[:, :, a:a + c, None]).mul_(probs)
         band += dscores.sum((0, 2))
     left = torch.zeros(H, dtype=work, device=q.device)
-    if n > s:
-        far_out, far_lse = _flash_cpu(q[:, :, s:], k[:, :, :n - s], v[:, :, :n - s], 0.0, True, scale=scale)
-        share = torch.exp(far_lse.to(work) + bias[:, 0, None] - lse[:, :, s:])
-        left = (share * ((gf[:, :, s:] * far_out.to(work)).sum(-1) - delta[:, :, s:])).sum((0, 2))
+    rows, keys = first + s, min(stop, n - s) - first  # rows i >= first + s see keys first .. min(i - s, stop - 1)
+    if rows < n and keys > 0:  # causal, aligned at the top left: row i - rows takes keys up to i - s - first
+        far_out, far_lse = _flash_cpu(q[:, :, rows:], k[:, :, :keys], v[:, :, :keys], 0.0, True, scale=scale)
+        share = torch.exp(far_lse.to(work) + bias[:, 0, None] - lse[:, :, rows:])
+        left = (share * ((gf[:, :, rows:] * far_out.to(work)).sum(-1) - delta[:, :, rows:])).sum((0, 2))
     right = -(band.sum(-1) + left)  # every row's dS sums to zero, so all of them do
     return torch.cat([left[:, None], band, right[:, None]], dim=1)
 
@@ -242,47 +245,51 @@ class _AttentionWithDistanceBias(torch.autograd.Function):
     view of its ``2n - 1`` distances (:func:`_reversed_rows`), which the fused kernel reads in place, so without a
     mask no ``[H, n, n]`` bias is made or kept for the backward; the backward folds each chunk's score gradient
     into the distances it belongs to (:func:`_fold_antidiagonals`) instead of scattering an ``[H, n, n]`` gradient.
+    ``k``, ``v`` may hold the keys at positions ``first ..`` alone (a padded row's run): the view's columns there.
     """
 
     @staticmethod
-    def _bias(table, mask, n, dtype):
-        """The reversed rows' bias in ``dtype``; with a mask, merged with it (its rows reversed too) in at least
-        float32, as ``functional.saturating_bias_attention`` merges them."""
+    def _bias(table, mask, n, first, keys, dtype):
+        """The reversed rows' bias in ``dtype`` (keys ``first .. first + keys``); with a mask, merged with it (its rows
+        reversed too) in at least float32, as ``functional.saturating_bias_attention`` merges them."""
+        rows = _reversed_rows(table if mask is not None else table.to(dtype), n)[..., first:first + keys]
         if mask is None:
-            return _reversed_rows(table.to(dtype), n)
-        rows = _reversed_rows(table, n)
+            return rows
         return (rows.to(torch.promote_types(rows.dtype, torch.float32)) + mask.flip(-2)).to(dtype)
 
     @staticmethod
     @flushing_denormals
-    def forward(ctx, q, k, v, table, mask, scale, chunk_size):
-        bias = _AttentionWithDistanceBias._bias(table.detach(), mask, q.shape[2], q.dtype)
+    def forward(ctx, q, k, v, table, mask, first, scale, chunk_size):
+        bias = _AttentionWithDistanceBias._bias(table.detach(), mask, q.shape[2], first, k.shape[2], q.dtype)
         out, lse = _flash_cpu(q.flip(2), k, v, 0.0, False, attn_mask=bias, scale=scale)
         out = out.flip(2)
         ctx.save_for_backward(q, k, v, table, mask, out, lse)  # lse: of the reversed rows
-        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.first, ctx.scale, ctx.chunk_size = first, scale, chunk_size
         return out
 
     @staticmethod
     @flushing_backward
     def backward(ctx, saved, grad_out):
         q, k, v, table, mask, out, lse = saved
-        n = q.shape[2]
+        n, first = q.shape[2], ctx.first
         fixed = not ctx.needs_input_grad[3]
         if not torch.is_grad_enabled() and (fixed or far_sums_apply(table, mask, lse)):
             # The fused kernel's own backward reads the same view as its forward; a fixed bias (ALiBi's, log-decay's)
             # needs nothing more, a saturating one's gradient comes from its band and one far side (table_gradient).
-            bias = _AttentionWithDistanceBias._bias(table, mask, n, q.dtype)
+            bias = _AttentionWithDistanceBias._bias(table, mask, n, first, k.shape[2], q.dtype)
             dq, dk, dv = _flash_cpu_backward(grad_out.flip(2), q.flip(2), k, v, out.flip(2), lse, 0.0, False,
                                              attn_mask=bias, scale=ctx.scale)
-            dtable = None if fixed else table_gradient(q, k, v, table, out, lse.flip(2), grad_out, ctx.scale)
-            return dq.flip(2), dk, dv, None if fixed else dtable.to(table.dtype), None, None, None
+            dtable = None if fixed else table_gradient(q, k, v, table, out, lse.flip(2), grad_out, ctx.scale,
+                                                       first=first)
+            return dq.flip(2), dk, dv, None if fixed else dtable.to(table.dtype), None, None, None, None
         # Made again (a view, or the view plus the mask): nothing [n, n] was kept. Under create_graph, from the
         # table itself, so that it is differentiated too.
-        bias = _AttentionWithDistanceBias._bias(table if torch.is_grad_enabled() else table.detach(), mask, n, q.dtype)
+        bias = _AttentionWithDistanceBias._bias(table if torch.is_grad_enabled() else table.detach(), mask, n, first,
+                                                k.shape[2], q.dtype)
         work = torch.promote_types(q.dtype, torch.float32)
         sums = torch.zeros(table.shape[0], 2 * n - 1, dtype=work, device=q.device) if ctx.needs_input_grad[3] else None
-        take = None if sums is None else (lambda dscores, start: _fold_antidiagonals(dscores, sums, start))
+        # reversed row r, key column c: distance entry r + first + c
+        take = None if sums is None else (lambda dscores, start: _fold_antidiagonals(dscores, sums, start + first))
         dq, dk, dv = _bias_attention_backward(q.flip(2), k, v, bias, out.flip(2), lse, grad_out.flip(2), ctx.scale,
                                               ctx.chunk_size, take)
         dtable = None
@@ -290,7 +297,28 @@ class _AttentionWithDistanceBias(torch.autograd.Function):
             entries = _distance_entries(n, table.shape[1] // 2, table.device)
             dtable = torch.zeros(table.shape, dtype=work, device=table.device).index_add(1, entries, sums)
         cast = lambda t, like: None if t is None else t.to(like.dtype)  # noqa: E731
-        return cast(dq.flip(2), q), cast(dk, k), cast(dv, v), cast(dtable, table), None, None, None
+        return cast(dq.flip(2), q), cast(dk, k), cast(dv, v), cast(dtable, table), None, None, None, None
+
+
+def key_runs(mask: Optional[torch.Tensor], batch: int, n: int) -> Optional[list]:
+    """The keys an additive padding mask (``-inf`` where masked, broadcast as ``[B|1, 1, 1, n]``) keeps, as one run
+    ``(first, stop)`` per batch row; None where the mask does more than mask keys, keeps more than one run in a row
+    (padding inside a sequence), or is traced (reading it needs the host)."""
+    if mask is None or torch.compiler.is_compiling():
+        return None
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] not in (1, batch):
+        return None
+    row = mask[:, 0, 0].expand(mask.shape[0], n)
+    kept = row == 0
+    count = kept.sum(-1)
+    first = kept.int().argmax(-1)  # the first key kept (0 where none is)
+    position = torch.arange(n, device=row.device)
+    run = (position >= first[:, None]) & (position < (first + count)[:, None])
+    if not bool(((kept | torch.isneginf(row)) & (kept == run)).all()):
+        return None
+    runs = [(f, f + c) for f, c in zip(first.tolist(), count.tolist())]
+    return runs * batch if len(runs) == 1 else runs
 
 
 def distance_bias_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -312,4 +340,22 @@ def distance_bias_attention(
     """
     q, k, v = _unit_stride(q, k, v)
     mask = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    return _AttentionWithDistanceBias.apply(q, k, v, table, mask, scale, chunk_size)
+    runs = key_runs(mask, q.shape[0], q.shape[2])
+    if runs is None:
+        return _AttentionWithDistanceBias.apply(q, k, v, table, mask, 0, scale, chunk_size)
+    # Padding keeps one run of keys per row: each row (or the batch, where every row keeps the same run) reads
+    # those keys alone with the bias's view over them, as without a mask. A row with no key keeps its mask.
+    if len(set(runs)) == 1 and runs[0][1] > runs[0][0]:
+        first, stop = runs[0]
+        return _AttentionWithDistanceBias.apply(q, k[:, :, first:stop], v[:, :, first:stop], table, None, first,
+                                                scale, chunk_size)
+    rows = []
+    for b, (first, stop) in enumerate(runs):
+        one = slice(b, b + 1)
+        if stop == first:
+            row_mask = mask[one] if mask.shape[0] > 1 else mask
+            rows.append(_AttentionWithDistanceBias.apply(q[one], k[one], v[one], table, row_mask, 0, scale, chunk_size))
+        else:
+            rows.append(_AttentionWithDistanceBias.apply(q[one], k[one, :, first:stop], v[one, :, first:stop], table,
+                                                         None, first, scale, chunk_size))
+    return torch.cat(rows)

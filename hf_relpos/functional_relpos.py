@@ -49,6 +49,7 @@ from .kernels_relpos import (  # noqa: F401 (KEY_BIAS_SPAN: the schemes' FoX spa
     distance_bias_attention,
     fused_bias_applies,
     fused_bias_attention,
+    key_runs,
     saturating_bias_banded,
     saturating_bias_banded_applies,
     shaw_banded,
@@ -271,15 +272,16 @@ def saturating_bias_attention(
         raise ValueError(f"bias must have shape [heads={H}, 2s+1] with s >= 1, got {tuple(bias.shape)}")
     _check_mask(attention_mask, (B, H, n, n))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    # Bidirectional attention without a mask reads the bias as a view in the fused kernel (distance_bias_attention)
-    # at any length, faster than the band: its backward is the fused kernel's own, and a table's gradient comes from
-    # its band and one far side (table_gradient). A mask or causality would be spread over [B|1, H, n, n] there, and
-    # a backward costs more than the band's.
-    unmasked = attention_mask is None and not is_causal and distance_bias_applies(q, v)
-    if not unmasked and saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
+    wants_grad = attention_mask is not None and attention_mask.requires_grad  # the distance path's mask is a constant
+    # Bidirectional attention without a mask, or with padding that keeps one run of keys per row, reads the bias as a
+    # view in the fused kernel (distance_bias_attention) at any length, faster than the band: its backward is the
+    # fused kernel's own, and a table's gradient comes from its band and one far side (table_gradient). Another mask
+    # or causality would be spread over [B|1, H, n, n] there, and a backward costs more than the band's.
+    whole = not is_causal and distance_bias_applies(q, v) and not wants_grad and (
+        attention_mask is None or key_runs(_additive_mask(attention_mask, None), B, n) is not None)
+    if not whole and saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
         return saturating_bias_banded(q, k, v, bias, attention_mask=attention_mask, is_causal=is_causal, scale=scale)
     mask = _additive_mask(attention_mask, _causal_pattern(n, n, 0, q.device) if is_causal else None)
-    wants_grad = attention_mask is not None and attention_mask.requires_grad  # the distance path's mask is a constant
     if B * H * n and distance_bias_applies(q, v) and not wants_grad:
         return distance_bias_attention(q, k, v, bias, scale, mask=mask)
     if _exporting() or not n:  # gathered: the indexing every exporter knows

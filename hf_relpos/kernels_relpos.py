@@ -46,6 +46,7 @@ from .bias_kernels_relpos import (  # noqa: F401 (re-exported: this module is th
     distance_bias_attention,
     fused_bias_applies,
     fused_bias_attention,
+    key_runs,
     toeplitz_bias,
 )
 from .denormals_relpos import flushing_backward, flushing_denormals
@@ -56,6 +57,7 @@ __all__ = [
     "toeplitz_bias",
     "distance_bias_applies",
     "distance_bias_attention",
+    "key_runs",
     "shaw_banded_applies",
     "shaw_banded",
     "saturating_bias_banded_applies",

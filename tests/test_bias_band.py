@@ -230,10 +230,16 @@ def test_padding_keeps_the_band_and_matches_float64_oracle(band, n, causal):
 @pytest.mark.parametrize("position_encoding,is_decoder", [("t5_bias", False), ("t5_bias", True), ("shaw", False),
                                                           ("shaw", True), ("alibi", True)])
 def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, is_decoder):
-    """A padded batch (right and left padding) at the band's threshold takes the band / per-key path: the
-    same outputs and gradients as the same padding given as a [B, 1, Q, K] mask, which takes the general path."""
+    """A padded batch (right and left padding) at the band's threshold takes the band / per-key path, or for
+    bidirectional T5 the distance path a row at a time over its run of keys: the same outputs and gradients as the
+    same padding given as a [B, 1, Q, K] mask, which takes the general path."""
     from hf_relpos import RelPosConfig, RelPosModel
     from hf_relpos import attention_backends_relpos, position_schemes_relpos
+    from hf_relpos import bias_kernels_relpos as BK
+
+    firsts = []  # the first key each call of the distance path reads
+    real_distance = BK._AttentionWithDistanceBias.apply
+    monkeypatch.setattr(BK._AttentionWithDistanceBias, "apply", lambda *a: firsts.append(a[5]) or real_distance(*a))
 
     config = RelPosConfig(position_encoding=position_encoding, vocab_size=64, hidden_size=32, num_hidden_layers=2,
                           num_attention_heads=4, intermediate_size=64, is_decoder=is_decoder,
@@ -266,8 +272,10 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
 
     fast_out, fast_grads = run(keep)
     assert len(fast_calls) == 2 and all(m is not None and m.shape == (3, 1, 1, n) for m in fast_calls)
-    banded = 0 if position_encoding == "alibi" else 2
+    by_distance = position_encoding == "t5_bias" and not is_decoder
+    banded = 0 if position_encoding == "alibi" or by_distance else 2
     assert len(band) == banded
+    assert firsts == ([0, 23, 0] * 2 if by_distance else [])
     general_out, general_grads = run(keep.bool()[:, None, None, :].expand(3, 1, n, n))
     assert len(band) == banded  # the general path does not take the band
     torch.testing.assert_close(fast_out, general_out, rtol=0, atol=1e-10)

@@ -259,6 +259,76 @@ def test_a_saturating_tables_gradient_from_its_band_and_one_far_side(monkeypatch
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m, name=name: f"d{name}: {m}")
 
 
+def padding_oracle(q, k, v, table, keep, scale):
+    """softmax(q k^T · scale + table[h, clamp(j - i, -s, s) + s]) v over the keys ``keep`` holds, float64; a row with
+    no key left gives zeros."""
+    n, s = q.shape[2], table.shape[1] // 2
+    entry = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-s, s) + s
+    scores = (q @ k.transpose(-1, -2) * scale + table[:, entry]).masked_fill(~keep, float("-inf"))
+    alive = keep.any(-1, keepdim=True)
+    return torch.where(alive, torch.softmax(scores.masked_fill(~alive, 0.0), -1), 0.0) @ v
+
+
+@pytest.mark.parametrize("n,s,runs", [
+    (97, 9, [(0, 60), (10, 97)]),  # right padding, left padding
+    (97, 9, [(5, 50), (0, 0)]),  # both sides; a row with no key
+    (60, 4, [(0, 1), (59, 60)]),  # one key
+    (130, 20, [(7, 100), (7, 100)]),  # one run for the whole batch: one call
+    (40, 12, [(0, 30), (2, 40)]),  # 4s > n: the chunked backward folds the gradient from the run's first key
+])
+def test_padding_reads_each_rows_run_of_keys_alone(monkeypatch, n, s, runs):
+    """Padding that keeps one run of keys per row: each row's call reads those keys alone, with the bias's view over
+    them and no mask (as without padding: the fused kernel's backward, the table's gradient from its band and one far
+    side); a row with no key keeps its mask and gives zeros. Values and every gradient against the float64 oracle."""
+    calls, far = [], []
+    real, real_far = BK._AttentionWithDistanceBias.apply, BK.table_gradient
+    monkeypatch.setattr(BK._AttentionWithDistanceBias, "apply",
+                        lambda *a: calls.append((a[1].shape[2], a[4] is None, a[5])) or real(*a))
+    monkeypatch.setattr(BK, "table_gradient", lambda *a, **kw: far.append(kw["first"]) or real_far(*a, **kw))
+    g = torch.Generator().manual_seed(n + s)
+    B, H, D = 2, 3, 8
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    table = torch.randn(H, 2 * s + 1, generator=g, dtype=torch.float64, requires_grad=True)
+    keep = torch.zeros(B, 1, 1, n, dtype=torch.bool)
+    for b, (first, stop) in enumerate(runs):
+        keep[b, ..., first:stop] = True
+    got = F.saturating_bias_attention(q, k, v, table, attention_mask=keep)
+    want = padding_oracle(q, k, v, table, keep, D**-0.5)
+    cotangent = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(got, (q, k, v, table), cotangent)
+    wants = torch.autograd.grad(want, (q, k, v, table), cotangent)
+    if len(set(runs)) == 1:
+        assert calls == [(runs[0][1] - runs[0][0], True, runs[0][0])]
+    else:
+        assert calls == [(n, False, 0) if stop == first else (stop - first, True, first) for first, stop in runs]
+    assert sorted(far) == sorted(first for first, stop in set(runs) if stop > first and 4 * s <= n)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for name, a, b in zip(("q", "k", "v", "table"), grads, wants):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_key_runs_are_one_run_of_kept_keys_per_row_or_none():
+    """What counts as padding: a mask of keys alone, 0 or -inf, one run kept per row (a row of one mask row
+    broadcasts); padding inside a sequence, a finite additive value, a mask per query or per head: None."""
+    def additive(keep):
+        return torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+
+    keep = torch.ones(3, 1, 1, 8, dtype=torch.bool)
+    keep[0, ..., 6:] = False
+    keep[1, ..., :2] = False
+    keep[2] = False
+    assert BK.key_runs(additive(keep), 3, 8) == [(0, 6), (2, 8), (0, 0)]
+    assert BK.key_runs(additive(keep[:1]), 3, 8) == [(0, 6)] * 3
+    assert BK.key_runs(additive(keep[0, 0, 0]), 3, 8) == [(0, 6)] * 3  # [n] broadcast over the batch
+    inside = keep.clone()
+    inside[0, ..., 3] = False
+    assert BK.key_runs(additive(inside), 3, 8) is None
+    assert BK.key_runs(additive(keep).masked_fill(keep, 0.5), 3, 8) is None
+    assert BK.key_runs(additive(keep.expand(3, 1, 8, 8)), 3, 8) is None
+    assert BK.key_runs(additive(keep.expand(3, 2, 1, 8)), 3, 8) is None
+    assert BK.key_runs(None, 3, 8) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_float32_table_with_half_precision_inputs_gets_the_gradient_of_what_the_forward_added(dtype):
     """Under autocast a T5 model hands a float32 table to bf16 inputs: the forward adds the table rounded to bf16, and
@@ -301,18 +371,24 @@ def test_a_table_of_huge_values_keeps_the_chunked_backward(monkeypatch):
         assert (a.double() - b).abs().max() <= 2e-2 * b.abs().max(), name
 
 
-def test_a_saturating_tables_far_sides_in_float32_hold_against_float64():
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_saturating_tables_far_sides_in_float32_hold_against_float64(padded):
     """The far right's share is what is left of each row's zero sum: in float32 its rounding stays at the chunked
-    backward's level against float64 (n = 1,024, T5's 32 buckets up to 128: s = 91)."""
+    backward's level against float64 (n = 1,024, T5's 32 buckets up to 128: s = 91), padded rows too (right and
+    left padding, each row its own run of keys)."""
     g = torch.Generator().manual_seed(3)
     B, H, n, D, s = 2, 4, 1024, 32, 91
     q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
     table = torch.randn(H, 2 * s + 1, generator=g)
     cotangent = torch.randn(B, H, n, D, generator=g)
+    keep = torch.ones(B, 1, 1, n, dtype=torch.bool)
+    keep[0, ..., 1000:] = False
+    keep[1, ..., :300] = False
     grads = {}
     for dtype in (torch.float32, torch.float64):
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, table)]
-        out = BK.distance_bias_attention(*leaves[:3], leaves[3], D**-0.5)
+        mask = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf")) if padded else None
+        out = BK.distance_bias_attention(*leaves[:3], leaves[3], D**-0.5, mask=mask)
         grads[dtype] = torch.autograd.grad(out, leaves, cotangent.to(dtype))
     for name, a, b in zip(("q", "k", "v", "table"), grads[torch.float32], grads[torch.float64]):
         err = (a.double() - b).abs().max() / b.abs().max()
@@ -383,10 +459,11 @@ def test_a_bidirectional_bias_of_the_distance_alone_takes_the_distance_path_with
         return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     compact_out, compact_grads = run()
-    assert len(taken) == config.num_hidden_layers
+    calls = config.num_hidden_layers * (2 if padded else 1)  # padded: each row reads its own run of keys
+    assert len(taken) == calls
     monkeypatch.setattr(model.position, "compact", lambda ctx, device, dtype: None)
     dense_out, dense_grads = run()
-    assert len(taken) == config.num_hidden_layers  # the dense bias does not take the distance path
+    assert len(taken) == calls  # the dense bias does not take the distance path
     keep = mask.bool()
     torch.testing.assert_close(compact_out[keep], dense_out[keep], rtol=1e-6, atol=1e-6)
     assert compact_grads.keys() == dense_grads.keys()
