@@ -438,7 +438,17 @@ def cpu_name() -> str:
     flags = set(fields.get("flags", "").split())
     names = [("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX-BF16")]
     found = [name for flag, name in names if flag in flags]
-    return f"{fields.get('model name', platform.machine())} ({', '.join(found) or 'no AVX2'})"
+    return f"{fields.get('model name', platform.machine())} ({', '.join(found) or 'no AVX2'}){_capped()}"
+
+
+def _capped() -> str:
+    """The instruction sets the kernels were held to, where they were (``ATEN_CPU_CAPABILITY``, oneDNN's and MKL's
+    switches): such a run takes an older CPU's code paths on this one, not its timings."""
+    caps = [f"{name}={os.environ[name]}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                      "MKL_ENABLE_INSTRUCTIONS") if os.environ.get(name)]
+    if not caps:
+        return ""
+    return f", kernels held to {', '.join(caps)} (ATen runs {torch.backends.cpu.get_cpu_capability()})"
 
 
 def machine_line(threads: int) -> str:

@@ -92,7 +92,7 @@ TRANSFORMERS_DEPENDENT = {
 # (Transformers only as a fixed reference: T5's bucket function, BLOOM's ALiBi), the worked example, the import
 # graph, packaging, and the documentation pages (whose commands the modules above run on the oldest too).
 TRANSFORMERS_INDEPENDENT = {
-    "test_attention_with_bias", "test_bench_gpu", "test_bias_band", "test_check_site", "test_denormals", "test_demo_biases", "test_distance_bias", "test_docs",
+    "test_attention_with_bias", "test_bench", "test_bench_gpu", "test_bias_band", "test_check_site", "test_denormals", "test_demo_biases", "test_distance_bias", "test_docs",
     "test_functional",
     "test_functional_fuzz", "test_gpu_check", "test_import_graph", "test_kernels", "test_key_bias", "test_lengthgen_ablation", "test_packaging",
     "test_shaw_banded", "test_transfo_xl_fixtures", "test_triton_aot", "test_triton_attention", "test_txl_chunked",
