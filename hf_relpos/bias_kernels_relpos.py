@@ -12,6 +12,7 @@ Flat module (remote code copies it beside ``modeling_relpos.py``): relative impo
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -21,6 +22,9 @@ from .attention_utils_relpos import _exporting
 from .denormals_relpos import flushing_backward, flushing_denormals
 
 FUSED_BIAS_CHUNK = 256  # query rows per chunk of the backward
+# From this length, rows padded to different lengths take one call per length (_by_runs); below it the calls' own
+# cost is more than the merged mask's (measured: scripts/bench_runs.py)
+RUNS_MIN_LENGTH = 512
 
 
 # ----------------------------------------------------------------------------------
@@ -303,8 +307,8 @@ class _AttentionWithDistanceBias(torch.autograd.Function):
 def key_runs(mask: Optional[torch.Tensor], batch: int, n: int) -> Optional[list]:
     """The keys an additive padding mask (``-inf`` where masked, broadcast as ``[B|1, 1, 1, n]``) keeps, as one run
     ``(first, stop)`` per batch row; None where the mask does more than mask keys, keeps more than one run in a row
-    (padding inside a sequence), or is traced (reading it needs the host)."""
-    if mask is None or torch.compiler.is_compiling():
+    (padding inside a sequence), or is traced (reading it needs the host); None for no rows or no keys too."""
+    if mask is None or torch.compiler.is_compiling() or not batch * n:
         return None
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     if mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] not in (1, batch):
@@ -341,21 +345,34 @@ def distance_bias_attention(
     q, k, v = _unit_stride(q, k, v)
     mask = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     runs = key_runs(mask, q.shape[0], q.shape[2])
-    if runs is None:
+    groups = None if runs is None else len(set(runs))
+    if groups is None or (groups > 1 and q.shape[2] < RUNS_MIN_LENGTH):
         return _AttentionWithDistanceBias.apply(q, k, v, table, mask, 0, scale, chunk_size)
-    # Padding keeps one run of keys per row: each row (or the batch, where every row keeps the same run) reads
-    # those keys alone with the bias's view over them, as without a mask. A row with no key keeps its mask.
-    if len(set(runs)) == 1 and runs[0][1] > runs[0][0]:
-        first, stop = runs[0]
-        return _AttentionWithDistanceBias.apply(q, k[:, :, first:stop], v[:, :, first:stop], table, None, first,
-                                                scale, chunk_size)
-    rows = []
-    for b, (first, stop) in enumerate(runs):
-        one = slice(b, b + 1)
-        if stop == first:
-            row_mask = mask[one] if mask.shape[0] > 1 else mask
-            rows.append(_AttentionWithDistanceBias.apply(q[one], k[one], v[one], table, row_mask, 0, scale, chunk_size))
+    return _by_runs(q, k, v, table, mask, runs, scale, chunk_size)
+
+
+def _by_runs(q, k, v, table, mask, runs, scale, chunk_size):
+    """Padding that keeps one run of keys per row: the rows that keep the same run (the whole batch, or the full
+    rows and each padded length) in one call over those keys alone, with the bias's view over them and no mask, as
+    without padding; a row with no key keeps its mask. Rows are put in order of their runs first (one gather each
+    way), so that each group is a split of the batch: its gradient is one concatenation, not a batch-sized zero
+    tensor per group."""
+    order = sorted(range(len(runs)), key=runs.__getitem__)
+    moved = order != list(range(len(runs)))
+    if moved:
+        index = torch.tensor(order, device=q.device)
+        q, k, v = q[index], k[index], v[index]
+        mask = mask[index] if mask.shape[0] > 1 else mask
+    sizes = [len(list(rows)) for _, rows in itertools.groupby(order, key=runs.__getitem__)]
+    firsts = itertools.accumulate([0] + sizes)
+    parts = []
+    for q_g, k_g, v_g, start in zip(q.split(sizes), k.split(sizes), v.split(sizes), firsts):
+        first, stop = runs[order[start]]
+        if stop == first:  # no key: the mask, whose rows give zeros
+            rows = mask[start:start + q_g.shape[0]] if mask.shape[0] > 1 else mask
+            parts.append(_AttentionWithDistanceBias.apply(q_g, k_g, v_g, table, rows, 0, scale, chunk_size))
         else:
-            rows.append(_AttentionWithDistanceBias.apply(q[one], k[one, :, first:stop], v[one, :, first:stop], table,
-                                                         None, first, scale, chunk_size))
-    return torch.cat(rows)
+            parts.append(_AttentionWithDistanceBias.apply(q_g, k_g[:, :, first:stop], v_g[:, :, first:stop], table,
+                                                          None, first, scale, chunk_size))
+    out = torch.cat(parts)
+    return out[torch.tensor(order, device=q.device).argsort()] if moved else out

@@ -251,9 +251,10 @@ def saturating_bias_attention(
 
     Note:
         On CPU, :func:`kernels_relpos.distance_bias_attention`: the fused kernel with the query rows reversed,
-        where the bias is a view of its ``2n - 1`` distances; without a mask its backward is the fused kernel's
-        own, the bias gradient from the band and one far side (``bias_kernels_relpos.table_gradient``), else
-        chunks that fold it per distance; no ``[H, n, n]`` tensor without a mask. For a mask or causal attention,
+        where the bias is a view of its ``2n - 1`` distances; without a mask, or with padding that keeps one run
+        of keys per row (each row then reads its run alone), its backward is the fused kernel's own, the bias
+        gradient from the band and one far side (``bias_kernels_relpos.table_gradient``), else chunks that fold
+        it per distance; no ``[H, n, n]`` tensor there. For another mask or causal attention,
         from ``kernels_relpos.BIAS_BAND_MIN_LENGTH`` tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal) and with no mask
         or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes), :func:`kernels_relpos.saturating_bias_banded`
         instead: the band ``|j - i| < s`` explicit, the ranges beyond it in the fused kernel; no

@@ -231,7 +231,7 @@ def test_padding_keeps_the_band_and_matches_float64_oracle(band, n, causal):
                                                           ("shaw", True), ("alibi", True)])
 def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, is_decoder):
     """A padded batch (right and left padding) at the band's threshold takes the band / per-key path, or for
-    bidirectional T5 the distance path a row at a time over its run of keys: the same outputs and gradients as the
+    bidirectional T5 the distance path one call per run of keys over those keys: the same outputs and gradients as the
     same padding given as a [B, 1, Q, K] mask, which takes the general path."""
     from hf_relpos import RelPosConfig, RelPosModel
     from hf_relpos import attention_backends_relpos, position_schemes_relpos
@@ -275,7 +275,7 @@ def test_padded_batch_keeps_the_fast_path(band, monkeypatch, position_encoding, 
     by_distance = position_encoding == "t5_bias" and not is_decoder
     banded = 0 if position_encoding == "alibi" or by_distance else 2
     assert len(band) == banded
-    assert firsts == ([0, 23, 0] * 2 if by_distance else [])
+    assert firsts == ([0, 0, 23] * 2 if by_distance else [])  # rows 0 and 2 keep keys from 0, row 1 from 23
     general_out, general_grads = run(keep.bool()[:, None, None, :].expand(3, 1, n, n))
     assert len(band) == banded  # the general path does not take the band
     torch.testing.assert_close(fast_out, general_out, rtol=0, atol=1e-10)

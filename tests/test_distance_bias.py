@@ -274,19 +274,22 @@ def padding_oracle(q, k, v, table, keep, scale):
     (97, 9, [(5, 50), (0, 0)]),  # both sides; a row with no key
     (60, 4, [(0, 1), (59, 60)]),  # one key
     (130, 20, [(7, 100), (7, 100)]),  # one run for the whole batch: one call
+    (97, 9, [(10, 97), (0, 60), (10, 97), (0, 0), (0, 60)]),  # rows grouped by run, out of order
     (40, 12, [(0, 30), (2, 40)]),  # 4s > n: the chunked backward folds the gradient from the run's first key
 ])
-def test_padding_reads_each_rows_run_of_keys_alone(monkeypatch, n, s, runs):
-    """Padding that keeps one run of keys per row: each row's call reads those keys alone, with the bias's view over
-    them and no mask (as without padding: the fused kernel's backward, the table's gradient from its band and one far
-    side); a row with no key keeps its mask and gives zeros. Values and every gradient against the float64 oracle."""
+def test_padding_reads_each_runs_keys_alone(monkeypatch, n, s, runs):
+    """Padding that keeps one run of keys per row: the rows that keep the same run go in one call over those keys
+    alone, with the bias's view over them and no mask (as without padding: the fused kernel's backward, the table's
+    gradient from its band and one far side); rows with no key keep their mask and give zeros. Values and every
+    gradient against the float64 oracle (RUNS_MIN_LENGTH lowered: from it, rows of different runs are split)."""
+    monkeypatch.setattr(BK, "RUNS_MIN_LENGTH", 0)
     calls, far = [], []
     real, real_far = BK._AttentionWithDistanceBias.apply, BK.table_gradient
     monkeypatch.setattr(BK._AttentionWithDistanceBias, "apply",
-                        lambda *a: calls.append((a[1].shape[2], a[4] is None, a[5])) or real(*a))
+                        lambda *a: calls.append((a[0].shape[0], a[1].shape[2], a[4] is None, a[5])) or real(*a))
     monkeypatch.setattr(BK, "table_gradient", lambda *a, **kw: far.append(kw["first"]) or real_far(*a, **kw))
     g = torch.Generator().manual_seed(n + s)
-    B, H, D = 2, 3, 8
+    B, H, D = len(runs), 3, 8
     q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     table = torch.randn(H, 2 * s + 1, generator=g, dtype=torch.float64, requires_grad=True)
     keep = torch.zeros(B, 1, 1, n, dtype=torch.bool)
@@ -297,14 +300,35 @@ def test_padding_reads_each_rows_run_of_keys_alone(monkeypatch, n, s, runs):
     cotangent = torch.randn(got.shape, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad(got, (q, k, v, table), cotangent)
     wants = torch.autograd.grad(want, (q, k, v, table), cotangent)
-    if len(set(runs)) == 1:
-        assert calls == [(runs[0][1] - runs[0][0], True, runs[0][0])]
-    else:
-        assert calls == [(n, False, 0) if stop == first else (stop - first, True, first) for first, stop in runs]
+    assert calls == [(runs.count(run), n, False, 0) if run[1] == run[0] else (runs.count(run), run[1] - run[0], True,
+                     run[0]) for run in sorted(set(runs))]
     assert sorted(far) == sorted(first for first, stop in set(runs) if stop > first and 4 * s <= n)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     for name, a, b in zip(("q", "k", "v", "table"), grads, wants):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_below_the_runs_length_rows_of_different_runs_keep_the_merged_mask(monkeypatch):
+    """Review: one call per row cost 2.5-5x the merged mask's step for many short rows (B = 32, n = 128). Below
+    RUNS_MIN_LENGTH rows of different runs take one call with the merged mask; one run for the whole batch is
+    still read alone (no mask at all); and no rows or no keys take the merged mask (n = 0 raised in key_runs)."""
+    calls = []
+    real = BK._AttentionWithDistanceBias.apply
+    monkeypatch.setattr(BK._AttentionWithDistanceBias, "apply",
+                        lambda *a: calls.append((a[1].shape[2], a[4] is None)) or real(*a))
+    n = BK.RUNS_MIN_LENGTH - 1
+    q = torch.randn(2, 2, n, 4)
+    table = torch.randn(2, 9)
+    keep = torch.ones(2, 1, 1, n, dtype=torch.bool)
+    keep[1, ..., n - 5:] = False
+    F.saturating_bias_attention(q, q, q, table, attention_mask=keep)
+    keep[0, ..., n - 5:] = False
+    F.saturating_bias_attention(q, q, q, table, attention_mask=keep)
+    assert calls == [(n, False), (n - 5, True)]
+    for shape in ((2, 2, 0, 4), (0, 2, 5, 4)):
+        empty = torch.randn(shape)
+        mask = torch.ones(shape[0], 1, 1, shape[2], dtype=torch.bool)
+        assert F.saturating_bias_attention(empty, empty, empty, table, attention_mask=mask).shape == shape
 
 
 def test_key_runs_are_one_run_of_kept_keys_per_row_or_none():
@@ -459,11 +483,10 @@ def test_a_bidirectional_bias_of_the_distance_alone_takes_the_distance_path_with
         return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     compact_out, compact_grads = run()
-    calls = config.num_hidden_layers * (2 if padded else 1)  # padded: each row reads its own run of keys
-    assert len(taken) == calls
+    assert len(taken) == config.num_hidden_layers  # padded: rows of 37 tokens keep the merged mask
     monkeypatch.setattr(model.position, "compact", lambda ctx, device, dtype: None)
     dense_out, dense_grads = run()
-    assert len(taken) == calls  # the dense bias does not take the distance path
+    assert len(taken) == config.num_hidden_layers  # the dense bias does not take the distance path
     keep = mask.bool()
     torch.testing.assert_close(compact_out[keep], dense_out[keep], rtol=1e-6, atol=1e-6)
     assert compact_grads.keys() == dense_grads.keys()
