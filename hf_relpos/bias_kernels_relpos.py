@@ -22,8 +22,8 @@ from .attention_utils_relpos import _exporting
 from .denormals_relpos import flushing_backward, flushing_denormals
 
 FUSED_BIAS_CHUNK = 256  # query rows per chunk of the backward
-# From this length, rows padded to different lengths take one call per length (_by_runs); below it the calls' own
-# cost is more than the merged mask's (measured: scripts/bench_runs.py)
+# From this length, rows padded to different lengths take one call per length (read_by_runs); below it the calls'
+# own cost is more than the merged mask's (measured: scripts/bench_runs.py)
 RUNS_MIN_LENGTH = 512
 
 
@@ -344,33 +344,39 @@ def distance_bias_attention(
     """
     q, k, v = _unit_stride(q, k, v)
     mask = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    runs = key_runs(mask, q.shape[0], q.shape[2])
-    groups = None if runs is None else len(set(runs))
-    if groups is None or (groups > 1 and q.shape[2] < RUNS_MIN_LENGTH):
+    runs = read_by_runs(mask, q.shape[0], q.shape[2])
+    if runs is None:
         return _AttentionWithDistanceBias.apply(q, k, v, table, mask, 0, scale, chunk_size)
-    return _by_runs(q, k, v, table, mask, runs, scale, chunk_size)
+    return _by_runs(q, k, v, table, runs, scale, chunk_size)
 
 
-def _by_runs(q, k, v, table, mask, runs, scale, chunk_size):
+def read_by_runs(mask: Optional[torch.Tensor], batch: int, n: int) -> Optional[list]:
+    """The padding's runs (:func:`key_runs`) where :func:`distance_bias_attention` reads the batch run by run: some
+    row keeps a key, and every row that does keeps the same run, or there are ``RUNS_MIN_LENGTH`` tokens (below, one
+    call per run costs more than the merged mask: ``scripts/bench_runs.py``); None where it takes the merged mask."""
+    runs = key_runs(mask, batch, n)
+    kept = set() if runs is None else {run for run in runs if run[1] > run[0]}
+    return runs if kept and (len(kept) == 1 or n >= RUNS_MIN_LENGTH) else None
+
+
+def _by_runs(q, k, v, table, runs, scale, chunk_size):
     """Padding that keeps one run of keys per row: the rows that keep the same run (the whole batch, or the full
     rows and each padded length) in one call over those keys alone, with the bias's view over them and no mask, as
-    without padding; a row with no key keeps its mask. Rows are put in order of their runs first (one gather each
-    way), so that each group is a split of the batch: its gradient is one concatenation, not a batch-sized zero
-    tensor per group."""
+    without padding; a row with no key gives zeros (its every score masked) and no gradient. Rows are put in order
+    of their runs first (one gather each way), so that each group is a split of the batch: its gradient is one
+    concatenation, not a batch-sized zero tensor per group."""
     order = sorted(range(len(runs)), key=runs.__getitem__)
     moved = order != list(range(len(runs)))
     if moved:
         index = torch.tensor(order, device=q.device)
         q, k, v = q[index], k[index], v[index]
-        mask = mask[index] if mask.shape[0] > 1 else mask
     sizes = [len(list(rows)) for _, rows in itertools.groupby(order, key=runs.__getitem__)]
     firsts = itertools.accumulate([0] + sizes)
     parts = []
     for q_g, k_g, v_g, start in zip(q.split(sizes), k.split(sizes), v.split(sizes), firsts):
         first, stop = runs[order[start]]
-        if stop == first:  # no key: the mask, whose rows give zeros
-            rows = mask[start:start + q_g.shape[0]] if mask.shape[0] > 1 else mask
-            parts.append(_AttentionWithDistanceBias.apply(q_g, k_g, v_g, table, rows, 0, scale, chunk_size))
+        if stop == first:
+            parts.append(q_g.new_zeros(q_g.shape[:-1] + v_g.shape[-1:]))
         else:
             parts.append(_AttentionWithDistanceBias.apply(q_g, k_g[:, :, first:stop], v_g[:, :, first:stop], table,
                                                           None, first, scale, chunk_size))

@@ -47,6 +47,7 @@ from .bias_kernels_relpos import (  # noqa: F401 (re-exported: this module is th
     fused_bias_applies,
     fused_bias_attention,
     key_runs,
+    read_by_runs,
     toeplitz_bias,
 )
 from .denormals_relpos import flushing_backward, flushing_denormals
@@ -58,6 +59,7 @@ __all__ = [
     "distance_bias_applies",
     "distance_bias_attention",
     "key_runs",
+    "read_by_runs",
     "shaw_banded_applies",
     "shaw_banded",
     "saturating_bias_banded_applies",

@@ -16,6 +16,7 @@ from hf_relpos import bias_kernels_relpos as BK
 from hf_relpos import functional as F
 from hf_relpos import kernels_relpos as K
 from test_bias_band import inputs, t5_attention_oracle
+from test_shaw_banded import _LargestTensor
 
 
 @pytest.fixture
@@ -280,8 +281,8 @@ def padding_oracle(q, k, v, table, keep, scale):
 def test_padding_reads_each_runs_keys_alone(monkeypatch, n, s, runs):
     """Padding that keeps one run of keys per row: the rows that keep the same run go in one call over those keys
     alone, with the bias's view over them and no mask (as without padding: the fused kernel's backward, the table's
-    gradient from its band and one far side); rows with no key keep their mask and give zeros. Values and every
-    gradient against the float64 oracle (RUNS_MIN_LENGTH lowered: from it, rows of different runs are split)."""
+    gradient from its band and one far side); rows with no key give zeros with no call. Values and every gradient
+    against the float64 oracle (RUNS_MIN_LENGTH lowered: from it, rows of different runs are split)."""
     monkeypatch.setattr(BK, "RUNS_MIN_LENGTH", 0)
     calls, far = [], []
     real, real_far = BK._AttentionWithDistanceBias.apply, BK.table_gradient
@@ -300,8 +301,7 @@ def test_padding_reads_each_runs_keys_alone(monkeypatch, n, s, runs):
     cotangent = torch.randn(got.shape, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad(got, (q, k, v, table), cotangent)
     wants = torch.autograd.grad(want, (q, k, v, table), cotangent)
-    assert calls == [(runs.count(run), n, False, 0) if run[1] == run[0] else (runs.count(run), run[1] - run[0], True,
-                     run[0]) for run in sorted(set(runs))]
+    assert calls == [(runs.count(run), run[1] - run[0], True, run[0]) for run in sorted(set(runs)) if run[1] > run[0]]
     assert sorted(far) == sorted(first for first, stop in set(runs) if stop > first and 4 * s <= n)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     for name, a, b in zip(("q", "k", "v", "table"), grads, wants):
@@ -311,7 +311,8 @@ def test_padding_reads_each_runs_keys_alone(monkeypatch, n, s, runs):
 def test_below_the_runs_length_rows_of_different_runs_keep_the_merged_mask(monkeypatch):
     """Review: one call per row cost 2.5-5x the merged mask's step for many short rows (B = 32, n = 128). Below
     RUNS_MIN_LENGTH rows of different runs take one call with the merged mask; one run for the whole batch is
-    still read alone (no mask at all); and no rows or no keys take the merged mask (n = 0 raised in key_runs)."""
+    still read alone (no mask at all), rows with no key beside it too; a batch with no key at all, no rows or no
+    tokens take the merged mask (n = 0 raised in key_runs)."""
     calls = []
     real = BK._AttentionWithDistanceBias.apply
     monkeypatch.setattr(BK._AttentionWithDistanceBias, "apply",
@@ -324,11 +325,41 @@ def test_below_the_runs_length_rows_of_different_runs_keep_the_merged_mask(monke
     F.saturating_bias_attention(q, q, q, table, attention_mask=keep)
     keep[0, ..., n - 5:] = False
     F.saturating_bias_attention(q, q, q, table, attention_mask=keep)
-    assert calls == [(n, False), (n - 5, True)]
+    keep[0] = False
+    F.saturating_bias_attention(q, q, q, table, attention_mask=keep)
+    keep[1] = False
+    out = F.saturating_bias_attention(q, q, q, table, attention_mask=keep)
+    assert calls == [(n, False), (n - 5, True), (n - 5, True), (n, False)]
+    assert not out.any()
     for shape in ((2, 2, 0, 4), (0, 2, 5, 4)):
         empty = torch.randn(shape)
         mask = torch.ones(shape[0], 1, 1, shape[2], dtype=torch.bool)
         assert F.saturating_bias_attention(empty, empty, empty, table, attention_mask=mask).shape == shape
+
+
+def test_a_row_with_no_key_costs_no_query_by_key_tensor():
+    """Review: a row with no key kept its mask, merged with the bias into [rows, H, n, n] (forward and backward), where
+    the band it replaced at 2,048 tokens makes none: it now gives zeros without a call. Values and gradients against
+    the float64 oracle (a row right-padded, a full one, one with no key)."""
+    g = torch.Generator().manual_seed(2)
+    B, H, n, D, s = 3, 2, BK.RUNS_MIN_LENGTH, 8, 8
+    q, k, v = (torch.randn(B, H, n, D, generator=g, requires_grad=True) for _ in range(3))
+    table = torch.randn(H, 2 * s + 1, generator=g, requires_grad=True)
+    keep = torch.ones(B, 1, 1, n, dtype=torch.bool)
+    keep[0, ..., n - 100:] = False
+    keep[2] = False
+    with _LargestTensor() as seen:
+        got = F.saturating_bias_attention(q, k, v, table, attention_mask=keep)
+        cotangent = torch.randn(got.shape, generator=g)
+        grads = torch.autograd.grad(got, (q, k, v, table), cotangent)
+    assert seen.largest < B * H * n * n // 4, seen.largest
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, table)]
+    want = padding_oracle(*leaves, keep, D**-0.5)
+    wants = torch.autograd.grad(want, leaves, cotangent.double())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert not got[2].any()
+    for name, a, b in zip(("q", "k", "v", "table"), grads, wants):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_key_runs_are_one_run_of_kept_keys_per_row_or_none():
