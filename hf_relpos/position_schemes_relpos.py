@@ -182,7 +182,10 @@ class AdditiveBiasScheme(PositionScheme):
         ``past + Q - 1`` over ``Q + K - 1`` keys, so each value is computed as the dense bias computes it."""
         row = replace(ctx, query_length=1, key_length=ctx.key_length + ctx.query_length - 1,
                       past_length=ctx.past_length + ctx.query_length - 1)
-        bias = self.bias(row, device, torch.float32)[0, :, 0].float()
+        bias = self.bias(row, device, torch.float32)[0, :, 0]
+        # At least float32 (a half-precision model's), and float64 kept: a float64 model's KERPLE bias was rounded
+        # to float32 here, 5e-7 from the dense bias's.
+        bias = bias.to(torch.promote_types(bias.dtype, torch.float32))
         return bias.expand(self.num_heads, -1).contiguous()  # a bias the same for every head (log-decay's)
 
     def kernel_term(self, ctx: PositionContext, device) -> tuple:
