@@ -176,10 +176,9 @@ def bias_term(
 ):
     """A bias term as the backend computes it: under FlexAttention ``score()``, the small tensor of the scheme's
     ``score_form``; under the Triton kernel ``kernel`` itself, which each layer calls for the scheme's kernel term;
-    else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it
-    (``cpu_fast_path`` and ``UNTRAINED_IN_HALF_PRECISION``; the scheme returns None where its form does not
-    apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the mask, masked entries at the dtype's minimum.
-    Made once per forward (a scheme's bias) or per layer (FoX's gates), and handed to ``attend_bias``."""
+    else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it (``cpu_fast_path``;
+    the scheme returns None where its form does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the
+    mask, masked entries at the dtype's minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates), and handed to ``attend_bias``."""
     if ctx.attn_implementation == FLEX:
         return score()
     if ctx.attn_implementation == TRITON:
@@ -189,8 +188,6 @@ def bias_term(
         return kernel
     takes = form is not None and cpu_fast_path(ctx, device, dropout)
     term = compact() if takes else None
-    if term is not None and form in UNTRAINED_IN_HALF_PRECISION and dtype not in (torch.float32, torch.float64):
-        term = None if term.requires_grad and torch.is_grad_enabled() else term
     if term is not None:
         return term
     bias = dense().to(dtype)
@@ -216,10 +213,6 @@ def _key_bias_path(attn, query, key, value, key_bias, ctx, span):
 # (``functional``'s entry points: they check their inputs and compute exactly where a kernel of ``kernels_relpos.py``
 # cannot run).
 COMPACT_PATHS = {"distance": _distance_bias_path, "key": _key_bias_path}
-# The forms whose fused path takes half precision only for a term that needs no gradient: the per-key kernel's
-# half-precision sum per key would be a trained bias's gradient (kernels_relpos.causal_key_bias_applies); such a
-# term (FoX's in bf16 training) is merged with the mask here, not in the exact form's float64 [B, H, n, n].
-UNTRAINED_IN_HALF_PRECISION = frozenset({"key"})
 
 
 def attend_bias(attn: nn.Module, query, key, value, term: torch.Tensor, ctx: PositionContext, form: Optional[str],

@@ -736,15 +736,11 @@ class _CausalKeyBiasAttention(torch.autograd.Function):
 
 def causal_key_bias_applies(q, k, v, key_bias, attention_mask=None) -> bool:
     """True where :func:`causal_key_bias` computes ``functional.causal_key_bias_attention``: CPU, a floating
-    dtype, no mask or a key mask, one head size; in half precision, a bias that needs no gradient (ALiBi's, or any
-    without grad). A trained bias's gradient would be the kernel's half-precision ``Σ_i dS_ij``, whose rows no
-    longer sum to zero: FoX's cumsum adds those errors up, 20-40x the exact form's in its gate's gradient."""
+    dtype, no mask or a key mask, one head size."""
     B, H, n, D = q.shape
-    trained = isinstance(key_bias, torch.Tensor) and key_bias.requires_grad and torch.is_grad_enabled()
     return (
         not _exporting()
         and q.device.type == "cpu" and q.is_floating_point() and n > 0 and B * H > 0
-        and (q.dtype in (torch.float32, torch.float64) or not trained)
         and v.shape[-1] == D  # the fused kernel needs one head size
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)
     )
@@ -758,13 +754,19 @@ def causal_key_bias(
     """``softmax_{j <= i}(q_i·k_j · scale + key_bias[b, h, j] + mask) v`` -> ``[B, H, n, D]`` in the fused kernel,
     ``chunk`` query rows per call, fewer where ``key_bias`` (``[H, n]`` or ``[B|1, H, n]``, differentiable)
     spreads by more than ``span`` over them (:class:`_CausalKeyBiasAttention`); the logits round at about
-    ``eps`` times the bias's spread over a chunk. Reference: ``functional.causal_key_bias_attention``."""
+    ``eps`` times the bias's spread over a chunk. In half precision a bias that wants its gradient runs the kernel
+    in float32: that gradient is the kernel's ``Σ_i dS_ij`` per key, whose half-precision rounding no longer sums
+    to zero over the keys, and FoX's cumsum adds the errors up (20-40x the merged bias's in its gate's gradient).
+    Reference: ``functional.causal_key_bias_attention``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     keys = _key_mask(attention_mask, q.shape[2])
     q, k, v = _unit_stride(q, k, v)
     if key_bias.dim() == 2:
         key_bias = key_bias[None]
-    return _CausalKeyBiasAttention.apply(q, k, v, key_bias, keys, scale, chunk, span)
+    if q.dtype in (torch.float32, torch.float64) or not (key_bias.requires_grad and torch.is_grad_enabled()):
+        return _CausalKeyBiasAttention.apply(q, k, v, key_bias, keys, scale, chunk, span)
+    work = (t.float() for t in (q, k, v))
+    return _CausalKeyBiasAttention.apply(*work, key_bias, keys, scale, chunk, span).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------

@@ -118,10 +118,10 @@ def test_which_path_a_bias_takes(monkeypatch, scheme, dtype, compact):
     assert calls == ([form] * model.config.num_hidden_layers if compact else [])
 
 
-@pytest.mark.parametrize("scheme, per_key", [("alibi", True), ("fox", False)])
-def test_a_trained_per_key_bias_in_half_precision_is_merged(monkeypatch, scheme, per_key):
-    """A bf16 training forward: ALiBi's fixed bias takes the per-key path, FoX's trained one the merged bias (the
-    kernel's half-precision sum per key would be its gradient: test_fox.py), not the exact form's float64 tensor."""
+@pytest.mark.parametrize("scheme, per_key", [("alibi", True), ("fox", True)])
+def test_a_trained_per_key_bias_in_half_precision_takes_the_per_key_path(monkeypatch, scheme, per_key):
+    """A bf16 training forward: ALiBi's fixed bias and FoX's trained one take the per-key path (FoX's in float32
+    there: the kernel's half-precision sum per key would be its gradient, test_fox.py), not a merged bias."""
     calls = []
     monkeypatch.setitem(attention_backends_relpos.COMPACT_PATHS, "key",
                         lambda *a, _path=COMPACT_PATHS["key"]: calls.append("key") or _path(*a))

@@ -97,10 +97,9 @@ def test_values_and_gradients_match_the_paper(path, dtype, tol):
 
 
 def test_half_precision_gate_gradient_matches_the_paper():
-    """In bf16 the gate's gradient takes the exact form: the per-key kernel's half-precision ``Σ_i dS_ij`` per key
-    (its rows no longer summing to zero) summed by FoX's cumsum gave 0.17 / 0.35 relative error in w / b here,
-    the exact form 0.008. Against ``Σ_{l=j+1..i} log f_l = c_i - c_j`` in float64; values take the kernel without
-    a gradient."""
+    """In bf16 training the per-key kernel runs in float32: its half-precision ``Σ_i dS_ij`` per key (its rows no
+    longer summing to zero) summed by FoX's cumsum gave 0.17 / 0.35 relative error in w / b here, the merged bias
+    0.008, float32 0.005. Against ``Σ_{l=j+1..i} log f_l = c_i - c_j`` in float64."""
     n = 128
     q, k, v, x, w, b = case(7, B=2, H=2, n=n, D=16, C=6, dtype=torch.bfloat16)
     keys = torch.ones(2, n, dtype=torch.bool)
@@ -116,9 +115,8 @@ def test_half_precision_gate_gradient_matches_the_paper():
     pairs = zip(torch.autograd.grad(got, (w, b), grad.to(got.dtype)), torch.autograd.grad(want, (w, b), grad))
     for name, (a, e) in zip("wb", pairs):
         error = ((a.double() - e).norm() / e.norm()).item()
-        assert error < 0.03, f"grad of the gate's {name}: relative error {error:.3f}"
-    assert kernels_relpos.causal_key_bias_applies(q, k, v, F.fox_key_bias(log_f.detach()))  # no gradient: the kernel
-    assert not kernels_relpos.causal_key_bias_applies(q, k, v, F.fox_key_bias(log_f))
+        assert error < 0.01, f"grad of the gate's {name}: relative error {error:.3f}"
+    assert kernels_relpos.causal_key_bias_applies(q, k, v, F.fox_key_bias(log_f))
 
 
 def test_chunks_and_strong_forgetting():
