@@ -178,7 +178,8 @@ def bias_term(
     ``score_form``; under the Triton kernel ``kernel`` itself, which each layer calls for the scheme's kernel term;
     else ``compact()``, the scheme's compact form ``form``, where its fused CPU path takes it (``cpu_fast_path``;
     the scheme returns None where its form does not apply), else ``dense()`` (``[B|1, H, Q, K]``) merged with the
-    mask, masked entries at the dtype's minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates), and handed to ``attend_bias``."""
+    mask, masked entries at the dtype's minimum. Made once per forward (a scheme's bias) or per layer (FoX's gates),
+    and handed to ``attend_bias``."""
     if ctx.attn_implementation == FLEX:
         return score()
     if ctx.attn_implementation == TRITON:
