@@ -522,7 +522,8 @@ def test_a_bidirectional_bias_of_the_distance_alone_takes_the_distance_path_with
     assert len(taken) == config.num_hidden_layers  # the dense bias does not take the distance path
     keep = mask.bool()
     exact = dtype == torch.float64
-    torch.testing.assert_close(compact_out[keep], dense_out[keep], rtol=0 if exact else 1e-6, atol=1e-13 if exact else 1e-6)
+    torch.testing.assert_close(compact_out[keep], dense_out[keep], rtol=0 if exact else 1e-6,
+                               atol=1e-13 if exact else 1e-6)
     assert compact_grads.keys() == dense_grads.keys()
     assert scheme != "kerple_log" or {"position.r1", "position.r2"} <= compact_grads.keys()
     for name, grad in compact_grads.items():
