@@ -253,9 +253,9 @@ def saturating_bias_attention(
         On CPU, :func:`kernels_relpos.distance_bias_attention`: the fused kernel with the query rows reversed,
         where the bias is a view of its ``2n - 1`` distances; without a mask, or with padding that keeps one run
         of keys per row (the rows of each run then read those keys alone: ``bias_kernels_relpos.read_by_runs``
-        says where), its backward is the fused kernel's own, the bias gradient from the band and one far side
-        (``bias_kernels_relpos.table_gradient``), else chunks that fold it per distance; no ``[H, n, n]`` tensor
-        there (else the mask merged with the bias). For another mask or causal attention, from
+        says where), its backward is the fused kernel's own, the bias gradient from the band and each row's smaller
+        far side (``bias_kernels_relpos.table_gradient``), else chunks that fold it per distance; no
+        ``[H, n, n]`` tensor there (else the mask merged with the bias). For another mask or causal attention, from
         ``kernels_relpos.BIAS_BAND_MIN_LENGTH`` tokens (``CAUSAL_BIAS_BAND_MIN_LENGTH`` causal) and with no mask
         or a key mask (bool ``[B|1, H|1, 1, n]``, as padding makes), :func:`kernels_relpos.saturating_bias_banded`
         instead: the band ``|j - i| < s`` explicit, the ranges beyond it in the fused kernel; no
@@ -277,9 +277,9 @@ def saturating_bias_attention(
     wants_grad = attention_mask is not None and attention_mask.requires_grad  # the distance path's mask is a constant
     # Bidirectional attention without a mask, or with padding read run by run (read_by_runs: one run of keys per
     # row), reads the bias as a view in the fused kernel (distance_bias_attention) at any length, faster than the
-    # band: its backward is the fused kernel's own, and a table's gradient comes from its band and one far side
-    # (table_gradient). Another mask or causality would be spread over [B|1, H, n, n] there, and a backward costs
-    # more than the band's.
+    # band: its backward is the fused kernel's own, and a table's gradient comes from its band and each row's smaller
+    # far side (table_gradient). Another mask or causality would be spread over [B|1, H, n, n] there, and a backward
+    # costs more than the band's.
     whole = not is_causal and distance_bias_applies(q, v) and not wants_grad and (
         attention_mask is None or read_by_runs(_additive_mask(attention_mask, None), B, n) is not None)
     if not whole and saturating_bias_banded_applies(q, k, v, bias, attention_mask, is_causal):
