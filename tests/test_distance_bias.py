@@ -235,7 +235,7 @@ def test_a_bias_that_never_saturates_takes_the_distance_path_not_the_band(taken,
 
 
 @pytest.mark.parametrize("n,s,chunk", [(16, 4, 256), (40, 5, 7), (97, 9, 32), (300, 20, 64), (130, 91, 256)])
-def test_a_saturating_tables_gradient_from_its_band_and_one_far_side(monkeypatch, n, s, chunk):
+def test_a_saturating_tables_gradient_from_its_band_and_far_sides(monkeypatch, n, s, chunk):
     """Without a mask, a table that saturates within a quarter of the row gets its gradient from the band |j - i| < s
     (in windows of ``chunk`` rows) and each row's smaller far side from a causal call of the fused kernel, the other
     as what is left of the row's zero sum (table_gradient); q, k, v from the fused kernel's own backward. Values
@@ -281,7 +281,7 @@ def padding_oracle(q, k, v, table, keep, scale):
 def test_padding_reads_each_runs_keys_alone(monkeypatch, n, s, runs):
     """Padding that keeps one run of keys per row: the rows that keep the same run go in one call over those keys
     alone, with the bias's view over them and no mask (as without padding: the fused kernel's backward, the table's
-    gradient from its band and one far side); rows with no key give zeros with no call. Values and every gradient
+    gradient from its band and far sides); rows with no key give zeros with no call. Values and every gradient
     against the float64 oracle (RUNS_MIN_LENGTH lowered: from it, rows of different runs are split)."""
     monkeypatch.setattr(BK, "RUNS_MIN_LENGTH", 0)
     calls, far = [], []
@@ -378,9 +378,10 @@ def test_each_row_computes_its_smaller_far_side(monkeypatch, n, s, run):
     keep[..., run[0]:run[1]] = True
     F.saturating_bias_attention(q, k, v, table, attention_mask=keep).sum().backward()
     first, stop = run
-    half = (first + stop + 1) // 2
-    assert causal == [(half - first - s,) * 2, (stop - s - half,) * 2]
-    assert max(causal)[0] <= (stop - first) // 2 - s + 1
+    sides = [rows for rows, keys in causal]
+    assert all(rows == keys for rows, keys in causal)  # triangles, each row of its far side's keys
+    assert len(sides) == 2 and sum(sides) == stop - first - 2 * s  # every row with a far side, once
+    assert max(sides) - min(sides) <= 1  # halves: the whole far left was one triangle of stop - first - s
 
 
 def test_key_runs_are_one_run_of_kept_keys_per_row_or_none():
