@@ -180,16 +180,59 @@ class _Band:
             band = band + bias[:, None, self.slots]
         return band.masked_fill(self.invalid, float("-inf"))
 
+    def _spread(self, band: torch.Tensor) -> torch.Tensor:
+        """``[B, H, rows, width] -> [B, H, rows/block, block, block + width - 1]``: each block's band entries at their
+        keys' columns of the block's window (:func:`_undiagonals`), zeros elsewhere and in the rows past the band's."""
+        padded = F.pad(band, (0, 0, 0, -(self.stop - self.start) % self.block))
+        return _undiagonals(padded.view(*padded.shape[:2], -1, self.block, padded.shape[-1]))
+
+    def _fold(self, windows: torch.Tensor, keys: int) -> torch.Tensor:
+        """The adjoint of :meth:`_key_windows`: ``[B, H, rows/block, block + width - 1, D]`` added back onto the
+        ``keys`` rows ``lo:hi`` they were read from (windows overlap: a key is in up to ``span/block + 1``)."""
+        B, H, blocks, span, D = windows.shape
+        out = windows.new_zeros(B, H, blocks * self.block + span, D)
+        for piece in range(0, span, self.block):  # each window's rows piece .. piece + block, every window at once
+            width = min(self.block, span - piece)
+            rows = out[:, :, piece:piece + blocks * self.block].view(B, H, blocks, self.block, D)
+            rows[:, :, :, :width] += windows[:, :, :, piece:piece + width]
+        front = max(0, self.reach - self.start)  # the zero rows _key_windows put before key 0
+        return out[:, :, front:front + keys]
+
     def values(self, probs, v, rel_v):
         """``Σ_t probs[.., i, t] · (v_j + rel_v[d])`` for the band's rows (``probs`` holds only them; ``v`` its keys'
         values ``v[:, :, lo:hi]``) -> ``[B, H, rows, D]``."""
         rows = self.stop - self.start
-        padded = F.pad(probs, (0, 0, 0, -rows % self.block))
-        full = _undiagonals(padded.view(*padded.shape[:2], -1, self.block, padded.shape[-1]))
-        out = (full @ self._key_windows(v).transpose(-1, -2)).flatten(2, 3)[:, :, :rows]
+        out = (self._spread(probs) @ self._key_windows(v).transpose(-1, -2)).flatten(2, 3)[:, :, :rows]
         if rel_v is not None:
             out = out + probs @ rel_v[self.slots]
         return out
+
+    def gradients(self, q, k, v, rel_k, rel_v, bias, scale, grad_out, lse, delta):
+        """The band's part of every gradient, its rows' ``q``, ``grad_out``, ``lse`` (the merged one) and
+        ``delta = rowsum(dO ⊙ O)``, its keys' ``k``, ``v`` (``key_range``): with ``P = exp(s - lse)`` and
+        ``dS = P ⊙ (dO·(v_j + rel_v[d]) - delta)`` (FlashAttention's softmax gradient), ``dq = scale·Σ_t dS (k_j +
+        rel_k[d])``, ``dk_j``, ``dv_j`` summed over the rows that reach key ``j``, the tables' over their band slots
+        -> ``(dq, dk, dv, drel_k, drel_v, dbias)`` (None for an absent table)."""
+        rows = self.stop - self.start
+        probs = torch.exp(self.scores(q, k, rel_k, bias, scale) - lse[..., None])  # 0 where the band is masked
+        keys, values, grads = self._key_windows(k), self._key_windows(v), self._blocks(grad_out)
+        dprobs = _diagonals(grads @ values, self.width).flatten(2, 3)[:, :, :rows]
+        if rel_v is not None:
+            dprobs = dprobs + grad_out @ rel_v[self.slots].transpose(0, 1)
+        dscores = probs * (dprobs - delta[..., None])  # of the logits, bias included; of q·k, times scale
+        dbias = None if bias is None else dscores.sum((0, 2))
+        dscores = dscores * scale
+        spread = self._spread(dscores)
+        dq = (spread @ keys.transpose(-1, -2)).flatten(2, 3)[:, :, :rows]
+        drel_k = drel_v = None
+        if rel_k is not None:
+            dq = dq + dscores @ rel_k[self.slots]
+            drel_k = torch.einsum("bhit,bhid->td", dscores, q)
+        if rel_v is not None:
+            drel_v = torch.einsum("bhit,bhid->td", probs, grad_out)
+        dk = self._fold(spread.transpose(-1, -2) @ self._blocks(q), k.shape[2])
+        dv = self._fold(self._spread(probs).transpose(-1, -2) @ grads, v.shape[2])
+        return dq, dk, dv, drel_k, drel_v, dbias
 
 
 def _row_chunks(n: int, rows: int):
@@ -223,7 +266,9 @@ class _BandedAttention(torch.autograd.Function):
     merged output and log-sum-exp (less the part's constant logit), which makes that part's gradient
     exact; the constant logit's gradient is ``Σ_i mass_i (dO_i·O_part_i - dO_i·O_i)``, the sum of the
     softmax gradient ``dS = P ⊙ (dP - rowsum(dO ⊙ O))`` over the part, from the part's own output
-    and probability mass. The band is differentiated by recomputing it.
+    and probability mass. The band's is that softmax gradient too, recomputed a pass of rows at a time
+    (:meth:`_Band.gradients`; written out, where autograd over the recomputed band paid for its copies, fills
+    and the windows' unfold).
 
     ``keys`` (bool ``[B|1, H|1, n]`` or None) masks keys (padding): in the band through the band's
     mask, in the far parts as a ``[B|1, H|1, 1, n]`` mask the fused kernel broadcasts over rows. A
@@ -315,35 +360,24 @@ class _BandedAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         g = grad_out.to(work)
         delta = (g * out.to(work)).sum(-1)
-        # The band, differentiated by recomputing it against the merged log-sum-exp: with
-        # P = exp(s - lse) and delta_i = dO_i·O_i, the surrogate Σ dO·(P V') - Σ_i delta_i Σ_t P_it
-        # has d/ds = P ⊙ (dO·v' - delta), the softmax gradient.
+        # The band, recomputed against the merged log-sum-exp (_Band.gradients), a pass of rows at a time
         n = q.shape[2]
         qw, kw, vw = q.detach().to(work), k.detach().to(work), v.detach().to(work)
-        tables = [None if t is None else t.detach().to(work).requires_grad_() for t in (rel_k, rel_v, bias)]
+        tables = [None if t is None else t.detach().to(work) for t in (rel_k, rel_v, bias)]
         dq, dk, dv = torch.zeros_like(qw), torch.zeros_like(kw), torch.zeros_like(vw)
         table_sums = [None if t is None else torch.zeros_like(t) for t in tables]
-        for start, stop in _row_chunks(n, ctx.pass_rows):  # a pass at a time keeps the recomputed band's graph small
+        for start, stop in _row_chunks(n, ctx.pass_rows):
             rows = slice(start, stop)
             band = _Band(n, reach, causal, ctx.block, q.device, keys, (start, stop))
             lo, hi = band.key_range
-            # the pass's own rows, keys and values as leaves: gradients of their size, not of the whole sequence
-            pass_leaves = [x.detach().requires_grad_() for x in (qw[:, :, rows], kw[:, :, lo:hi], vw[:, :, lo:hi])]
-            wanted = pass_leaves + [t for t in tables if t is not None]
-            with torch.enable_grad():
-                probs = torch.exp(band.scores(pass_leaves[0], pass_leaves[1], tables[0], tables[2], scale)
-                                  - lse[:, :, rows, None])
-                surrogate = (band.values(probs, pass_leaves[2], tables[1]) * g[:, :, rows]).sum()
-                surrogate = surrogate - (probs.sum(-1) * delta[:, :, rows]).sum()
-                grads = torch.autograd.grad(surrogate, wanted, allow_unused=True)
-            for total, part in zip((dq[:, :, rows], dk[:, :, lo:hi], dv[:, :, lo:hi]), grads[:3]):
-                if part is not None:
-                    total += part
-            found = iter(grads[3:])
-            for total in table_sums:
-                part = None if total is None else next(found)
-                if part is not None:
-                    total += part
+            gq, gk, gv, *gtables = band.gradients(qw[:, :, rows], kw[:, :, lo:hi], vw[:, :, lo:hi], *tables, scale,
+                                                  g[:, :, rows], lse[:, :, rows], delta[:, :, rows])
+            dq[:, :, rows] += gq
+            dk[:, :, lo:hi] += gk
+            dv[:, :, lo:hi] += gv
+            for total, part, dim in zip(table_sums, gtables, (0, 0, 1)):  # rel_k, rel_v: [d, D]; bias: [H, d]
+                if total is not None:
+                    total.narrow(dim, band.slots.start, band.width).add_(part)
         drel_k, drel_v, dbias = table_sums
         for number, side in enumerate(_BandedAttention._sides(q, k, v, rel_k, rel_v, bias, keys, reach, causal)):
             rows, flip, first = side["rows"], side["unflip"], reach + 1
