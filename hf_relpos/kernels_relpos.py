@@ -425,8 +425,8 @@ def _banded_applies(q, k, v, reach, attention_mask, past_length, dropout_p, min_
     n = q.shape[2]
     return (
         not _exporting()
-        # a traced training step: the band's backward differentiates its recomputed band with torch.autograd.grad,
-        # which Dynamo does not trace (fullgraph=True fails); the exact dense path runs there instead
+        # a traced training step takes the exact dense path: the band's backward called torch.autograd.grad, which
+        # Dynamo does not trace; written out since (_Band.gradients), it traced in a first check, untested as yet
         and not (torch.compiler.is_compiling() and torch.is_grad_enabled())
         and q.device.type == "cpu"
         and (attention_mask is None or _key_mask(attention_mask, n) is not None)

@@ -512,8 +512,8 @@ def test_fullgraph_compile_traces_a_training_step_whole(position_encoding):
 @pytest.mark.parametrize("position_encoding, causal", [("t5_bias", True), ("shaw", False)])
 def test_fullgraph_compile_of_a_training_step_at_a_band_length(position_encoding, causal):
     """At the lengths where the band decomposition pays (T5's causal bias from 1,024 tokens, Shaw's from 512) a
-    compiled training step takes the dense path, since the band's backward calls torch.autograd.grad, which Dynamo
-    does not trace (review: fullgraph=True failed there); eager keeps the band. Loss and gradients equal eager's."""
+    compiled training step takes the dense path (review: fullgraph=True failed there while the band's backward called
+    torch.autograd.grad, which Dynamo does not trace); eager keeps the band. Loss and gradients equal eager's."""
     import torch._dynamo
 
     from hf_relpos import kernels_relpos
