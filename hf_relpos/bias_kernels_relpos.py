@@ -203,10 +203,10 @@ def table_gradient(q, k, v, table, out, lse, grad_out, scale, chunk: int = 128, 
     shifted keys (the right's rows and keys reversed): ``Σ_{j<=i-s} dS_ij = e^{lse'_i + b - lse_i} (dO_i · O'_i -
     δ_i)`` (``O'``, ``lse'``: that call's); its other side is what is left, exact to rounding against the row's other
     terms (so either far entry, where its true gradient is far below the others', gets their float32 rounding, about
-    1e-6 of the largest: 1e-3 of its own for an entry 1e-3 of the largest). Two triangles of half the side cost about half the one triangle of the whole left side (measured:
-    10 against 18 ms at n = 1,024). ``lse``: of the rows in order. ``k``, ``v``: the keys at positions ``first ..``
-    (a padded row's run of keys, every other key masked). Reference: the float64 oracle in
-    ``tests/test_distance_bias.py``.
+    1e-6 of the largest: 1e-3 of its own for an entry 1e-3 of the largest). Two triangles of half the side cost
+    about half the one triangle of the whole left side (measured: 10 against 18 ms at n = 1,024). ``lse``: of the
+    rows in order. ``k``, ``v``: the keys at positions ``first ..`` (a padded row's run of keys, every other key
+    masked). Reference: the float64 oracle in ``tests/test_distance_bias.py``.
     """
     work = torch.promote_types(q.dtype, torch.float32)
     B, H, n, _ = q.shape
